@@ -856,27 +856,32 @@ class VineyardLLMCache:
     ) -> int:
         """Copy the cached KV of tokens ``[start, end)`` into the request's
         blocks (``block_ids`` covers the whole request from token 0).
-        Returns the end of what was loaded; less than ``end`` means the
-        rest must be recomputed."""
+
+        ``start`` and ``end`` are block-aligned; vineyard reads from the
+        chunk boundary at or before ``start``, but blocks before ``start``
+        (vLLM's own prefix-cache hit, maybe shared with running requests)
+        are never written. Returns the end of what was loaded; less than
+        ``end`` means the rest must be recomputed."""
         bs = self.layout.block_size
-        assert start % self.chunk_size == 0 and end % bs == 0
+        assert start % bs == 0 and end % bs == 0
         t0 = time.perf_counter()
         read = self._read_memory.tensor[0]
         loaded = start
-        for seg_start, seg_end in self._segments(start, end):
+        read_from = start // self.chunk_size * self.chunk_size
+        for seg_start, seg_end in self._segments(read_from, end):
             found = self._query(token_ids[:seg_start], token_ids[seg_start:seg_end])
             found = min(found, seg_end - seg_start) // bs * bs
-            if found:
-                dst = torch.tensor(
-                    block_ids[seg_start // bs : (seg_start + found) // bs],
-                    device=self.device,
-                )
-                n = found // bs
+            # Blocks of this segment to write: those at or after ``start``.
+            skip = max(0, start - seg_start) // bs
+            n = found // bs - skip
+            if n > 0:
+                first = seg_start // bs + skip
+                dst = torch.tensor(block_ids[first : first + n], device=self.device)
                 for layer, kv in enumerate(self._kv_blocks):
-                    src = read[layer, :n].view(n, *kv.shape[1:])
+                    src = read[layer, skip : skip + n].view(n, *kv.shape[1:])
                     kv.index_copy_(0, dst, src.to(self.device, non_blocking=True))
-            loaded = seg_start + found
-            if loaded < seg_end:
+            loaded = max(loaded, seg_start + found)
+            if seg_start + found < seg_end:
                 break
         if self.device.type == "cuda":
             # The read buffer is reused by the next load.
