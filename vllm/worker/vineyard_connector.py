@@ -402,8 +402,13 @@ class VineyardConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         caches = [self._cache] if self._cache is not None else self._lookups
         stats = VineyardConnectorStats()
-        for cache in caches:
-            stats.aggregate(VineyardConnectorStats(data=cache.metrics.take()))
+        for rank, cache in enumerate(caches):
+            data = cache.metrics.take()
+            if rank > 0:
+                # Every TP rank's namespace is looked up for the same tokens:
+                # count the request's tokens once.
+                data["query_tokens"] = data["hit_tokens"] = 0
+            stats.aggregate(VineyardConnectorStats(data=data))
         return None if stats.is_empty() else stats
 
     @classmethod

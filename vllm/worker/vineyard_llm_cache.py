@@ -774,15 +774,18 @@ class VineyardLLMCache:
             self._updater = _AsyncUpdater(
                 self._write_to_backend, self._pool, self.metrics, config.drain_timeout_s
             )
-        logger.info(
-            "vineyard cache on at %s (chunk %d tokens, %s updates, %d "
-            "update buffer(s) of %.1f MiB)",
-            self.root,
-            self.chunk_size,
-            "async" if config.enable_async_update else "sync",
-            num_buffers,
-            buffer_bytes / (1 << 20),
-        )
+        if kv_caches is None:
+            logger.info("vineyard cache lookups at %s", self.root)
+        else:
+            logger.info(
+                "vineyard cache on at %s (chunk %d tokens, %s updates, %d "
+                "update buffer(s) of %.1f MiB)",
+                self.root,
+                self.chunk_size,
+                "async" if config.enable_async_update else "sync",
+                num_buffers,
+                buffer_bytes / (1 << 20),
+            )
 
     # ---- backend calls -----------------------------------------------------
 
@@ -943,7 +946,6 @@ class VineyardLLMCache:
             free_blocks -= (end - begin) // bs
             self._resume[req_id] = end
 
-        task = _UpdateTask(buffer_id, segments)
         n = len(src_blocks)
         staging = self._pool.buffer(buffer_id)
         index = torch.tensor(src_blocks, device=self.device)
@@ -953,6 +955,8 @@ class VineyardLLMCache:
                 torch.index_select(kv.reshape(kv.shape[0], -1), 0, index, out=out)
             else:
                 out.copy_(kv.index_select(0, index).reshape(n, -1), non_blocking=True)
+        # Created after the copy: its queue delay starts at the submit.
+        task = _UpdateTask(buffer_id, segments)
         if self.device.type == "cuda":
             # The copy runs on the compute stream, so the next forward pass
             # cannot overwrite these blocks before it is done.
