@@ -16,6 +16,7 @@ and returns at once while the backend writes them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -230,6 +231,25 @@ def _cacheable(request: Request) -> bool:
         and request.lora_request is None
         and getattr(request, "cache_salt", None) is None
     )
+
+
+def lookup_all_ranks(
+    lookups: Sequence[VineyardLLMCache], token_ids: Sequence[int], num_local: int
+) -> tuple[int, int]:
+    """:meth:`VineyardLLMCache.lookup` over every TP rank's namespace.
+
+    Ranks store their own shards, so a chunk is usable only if every rank has
+    it: the answer is the minimum (later ranks only look that far).
+    """
+    num_hit, save_from = lookups[0].lookup(token_ids, num_local)
+    for cache in lookups[1:]:
+        if num_hit == 0:
+            break
+        end = num_local + num_hit
+        hit, rank_save_from = cache.lookup(token_ids[: end + 1], num_local)
+        num_hit = min(num_hit, hit)
+        save_from = min(save_from, rank_save_from)
+    return num_hit, save_from
 
 
 class VineyardConnector(KVConnectorBase_V1):
@@ -460,19 +480,9 @@ class VineyardConnector(KVConnectorBase_V1):
         if not self._lookups or not _cacheable(request):
             state.save_from = _NEVER
             return 0, False
-        tokens = request.all_token_ids
-        # Ranks store their own shards: a chunk is usable only if every rank
-        # has it, so take the minimum (later ranks only look that far).
-        num_hit, save_from = self._lookups[0].lookup(tokens, num_computed_tokens)
-        for cache in self._lookups[1:]:
-            if num_hit == 0:
-                break
-            end = num_computed_tokens + num_hit
-            rank_hit, rank_save_from = cache.lookup(
-                tokens[: end + 1], num_computed_tokens
-            )
-            num_hit = min(num_hit, rank_hit)
-            save_from = min(save_from, rank_save_from)
+        num_hit, save_from = lookup_all_ranks(
+            self._lookups, request.all_token_ids, num_computed_tokens
+        )
         if state.tokens_sent == 0:
             state.save_from = save_from
         return num_hit, False
