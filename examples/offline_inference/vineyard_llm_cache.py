@@ -24,7 +24,9 @@ What it does:
    ("TTFT probes"): cold on the reference and on instance 1 (a cache miss),
    a vineyard hit on instance 2, and a hit in vLLM's own in-memory prefix
    cache when the reference sees them a second time.
-4. Prints a report (hit rate, cached tokens, time to first token, updates) and
+4. Prints a report (hit rate, cached tokens, time to first token, updates,
+   the cache's timing histograms, turned on here with
+   ``VINEYARD_CACHE_METRICS_ENABLED=1`` unless you set it) and
    checks that every output is identical with and without the vineyard cache
    and that instance 2 got hits. It exits with status 1 if a check fails.
 
@@ -37,14 +39,17 @@ served from vLLM's memory instead of vineyard; documents are whole chunks so
 that both caches cover the same tokens. Any difference then means KV that did
 not round-trip through vineyard unchanged.
 
-The cache runs on its embedded file backend (no server to start): the engines
-only get ``VLLM_USE_VINEYARD_CACHE=1`` and ``VINEYARD_CACHE_ROOT``, which this
-script sets before vLLM is imported. Other ``VINEYARD_CACHE_*`` variables in
-your environment (e.g. ``VINEYARD_CACHE_CHUNK_SIZE``) are passed through.
+The cache runs on its embedded file backend (no server to start). This script
+sets the engines' environment before vLLM is imported: ``VLLM_USE_VINEYARD_CACHE``
+(1 for the instances, 0 for the reference) and ``VINEYARD_CACHE_ROOT``, and,
+unless you set them, ``VINEYARD_CACHE_METRICS_ENABLED=1`` and on the CPU
+``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_CPU_OMP_THREADS_BIND=0``. Other
+``VINEYARD_CACHE_*`` variables in your environment (e.g.
+``VINEYARD_CACHE_CHUNK_SIZE``) are passed through.
 
 Usage::
 
-    python examples/offline_inference/vineyard_llm_cache.py           # ~3 min
+    python examples/offline_inference/vineyard_llm_cache.py           # 2-3 min
     python examples/offline_inference/vineyard_llm_cache.py --quick   # CI
     python examples/offline_inference/vineyard_llm_cache.py --model /path/to/llama
 """
@@ -112,7 +117,7 @@ QUICK_SIZES: dict[str, int] = {
     "users_per_document": 2,
     "question_tokens": 32,
     "answer_tokens": 8,
-    "num_probes": 1,
+    "num_probes": 3,
     "probe_tokens": 1024,
 }
 
@@ -146,7 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--dtype",
         default="auto",
-        help="vLLM's --dtype (the toy model is float32).",
+        help="vLLM's --dtype; 'auto' lets vLLM choose (on the CPU it runs the "
+        "float32 toy model in bfloat16).",
     )
     cache = parser.add_argument_group("cache")
     cache.add_argument(
@@ -394,6 +400,18 @@ def _read_counters(llm: Any) -> dict[str, int]:
     return out
 
 
+def _read_histograms(llm: Any) -> dict[str, tuple[int, float]]:
+    """``(count, sum)`` of every vineyard cache histogram."""
+    from vllm.v1.metrics.reader import Histogram
+
+    out: dict[str, tuple[int, float]] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Histogram) and metric.name.startswith(METRIC_PREFIX):
+            count, total = out.get(metric.name, (0, 0.0))
+            out[metric.name] = (count + metric.count, total + metric.sum)
+    return out
+
+
 def _pending_updates(counters: Mapping[str, int]) -> int:
     def get(name: str) -> int:
         return counters.get(METRIC_PREFIX + name, 0)
@@ -519,6 +537,7 @@ def _run_engine(spec_path: str) -> None:
             result["pending_updates"] = _pending_updates(after)
             counters = after
         result["counters"] = counters
+        result["histograms"] = _read_histograms(llm)
     except Exception as e:  # reported to the parent
         import traceback
 
@@ -553,6 +572,8 @@ def engine_env(use_cache: bool, cache_root: str, args: argparse.Namespace) -> di
     env = dict(os.environ)
     env["VLLM_USE_VINEYARD_CACHE"] = "1" if use_cache else "0"
     env["VINEYARD_CACHE_ROOT"] = cache_root
+    # The timing histograms are off by default in production; show them here.
+    env.setdefault("VINEYARD_CACHE_METRICS_ENABLED", "1")
     if not args.multiprocessing:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not _has_cuda():
@@ -745,7 +766,7 @@ def _span(values: Sequence[int]) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{1000 * seconds:.0f} ms"
+    return f"{1000 * seconds:.{1 if seconds < 0.01 else 0}f} ms"
 
 
 def compare_outputs(
@@ -912,11 +933,36 @@ def build_report(
             )
         ]
         lines.append(f"  {e.name}: " + ", ".join(extra))
+        if not e.counter("updates_submitted") and not e.counter("updates_skipped"):
+            lines.append(
+                f"  {e.name}: nothing to save, every whole chunk of its requests "
+                "was in vineyard already (partial chunks are not saved)"
+            )
         if e.data.get("pending_updates"):
             lines.append(
                 f"  {e.name}: {e.data['pending_updates']} update(s) still pending "
                 "after --settle-timeout"
             )
+
+    timings = []
+    for e in (i1, i2):
+        parts = []
+        for key, label in (
+            ("save_caller", "save on the forward thread"),
+            ("update_queue_delay", "queue delay"),
+            ("update_exec", "write"),
+            ("load", "load on the forward thread"),
+        ):
+            count, total = e.data.get("histograms", {}).get(
+                f"{METRIC_PREFIX}{key}_seconds", (0, 0.0)
+            )
+            if count:
+                parts.append(f"{label} {_ms(total / count)} (x{count})")
+        if parts:
+            timings.append(f"  {e.name}: " + ", ".join(parts))
+    if timings:
+        lines += ["", "Mean times (vllm:vineyard_cache_*_seconds histograms):"]
+        lines += timings
 
     compared, mismatches = compare_outputs(engines)
     identical = not mismatches
@@ -1023,7 +1069,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines: dict[str, EngineResult] = {}
     try:
         for i, (name, use_cache) in enumerate(ENGINES, 1):
-            what = "vineyard cache ON" if use_cache else "cache OFF, recomputes all"
+            what = (
+                "vineyard cache ON"
+                if use_cache
+                else "vineyard cache OFF, vLLM's prefix cache on"
+            )
             print(f"[{i}/{len(ENGINES)}] {name} ({what}), a fresh engine process")
             engines[name] = run_engine(
                 name, use_cache, model, workload, cache_root, workdir, args
