@@ -87,14 +87,14 @@ TINY_DEFAULTS: dict[str, Any] = {
     "head_size": 64,
     "block_size": 16,
     "chunk_size": 32,
-    "num_tokens": [64, 256],
+    "num_tokens": [128],
     "iters": 3,
     "warmup": 1,
     "write_batch": 2,
     "read_iters": 2,
     "skip_inflight": [1, 8],
     "skip_tokens": 128,
-    "skip_steps": 16,
+    "skip_steps": 12,
 }
 
 
