@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.logger import init_logger
 
+from vllm.worker.vineyard_backend import BackendError
 from vllm.worker.vineyard_llm_cache import (
     COUNTERS,
     HISTOGRAMS,
@@ -340,13 +341,19 @@ class VineyardConnector(KVConnectorBase_V1):
         layout = self._layout(
             first.dtype, kv_layout, tp_group.world_size, tp_group.rank_in_group
         )
-        self._cache = VineyardLLMCache(
-            self.config,
-            layout,
-            self._max_num_batched_tokens,
-            tensors,
-            num_blocks=self._kv_cache_config.num_blocks,
-        )
+        try:
+            self._cache = VineyardLLMCache(
+                self.config,
+                layout,
+                self._max_num_batched_tokens,
+                tensors,
+                num_blocks=self._kv_cache_config.num_blocks,
+            )
+        except BackendError as e:
+            # A backend that cannot start (e.g. the root cannot be created)
+            # is backend trouble: serve without the cache (no handshake, so
+            # the scheduler neither loads nor saves), but say so.
+            logger.error("vineyard cache unavailable, serving without it: %s", e)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._cache is None else VineyardHandshake(self._cache.layout)
@@ -363,7 +370,8 @@ class VineyardConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, VineyardConnectorMetadata)
-        assert self._cache is not None
+        if self._cache is None:  # unavailable: nothing is loaded or saved
+            return
         self._update_worker_requests(meta)
         for delta in meta.requests:
             if delta.load is None:
@@ -390,7 +398,8 @@ class VineyardConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, VineyardConnectorMetadata)
-        assert self._cache is not None
+        if self._cache is None:
+            return
         saves = []
         for delta in meta.requests:
             state = self._worker_requests[delta.req_id]
@@ -461,13 +470,27 @@ class VineyardConnector(KVConnectorBase_V1):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         """Open each TP rank's namespace for lookups (rank order)."""
-        for _, handshake in sorted(metadata.items()):
-            assert isinstance(handshake, VineyardHandshake)
-            self._lookups.append(
-                VineyardLLMCache(
-                    self.config, handshake.layout, self._max_num_batched_tokens
-                )
+        num_ranks = self._vllm_config.parallel_config.tensor_parallel_size
+        if len(metadata) < num_ranks:
+            logger.error(
+                "vineyard cache open on %d of %d workers: cache off",
+                len(metadata),
+                num_ranks,
             )
+            return
+        try:
+            for _, handshake in sorted(metadata.items()):
+                assert isinstance(handshake, VineyardHandshake)
+                self._lookups.append(
+                    VineyardLLMCache(
+                        self.config, handshake.layout, self._max_num_batched_tokens
+                    )
+                )
+        except BackendError as e:
+            logger.error("vineyard cache lookups unavailable, cache off: %s", e)
+            for cache in self._lookups:
+                cache.close()
+            self._lookups = []
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
