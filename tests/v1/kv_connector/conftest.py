@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fixtures of the engine-level vineyard cache tests.
+
+Every engine runs in a fresh interpreter (see ``vineyard_engine_testing``) on
+a toy Llama with seeded random weights, so loading the wrong KV changes what
+it generates. Engines without the cache (the reference outputs) are run once
+per session and shared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vineyard_engine_testing import (
+    EngineRun,
+    ModelFactory,
+    ReferenceRunner,
+    engine_env,
+    run_engine,
+)
+
+from vllm.worker.vineyard_toy_model import ToyLlamaConfig, make_toy_llama
+
+
+@pytest.fixture(scope="session")
+def toy_model_factory(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
+    """``factory(**ToyLlamaConfig fields)``: a checkpoint directory, made
+    once per session for each config."""
+    made: dict[ToyLlamaConfig, str] = {}
+
+    def factory(**fields: Any) -> str:
+        config = ToyLlamaConfig(**fields)
+        if config not in made:
+            made[config] = make_toy_llama(
+                str(tmp_path_factory.mktemp("toy_llama")), config
+            )
+        return made[config]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def toy_model(toy_model_factory: ModelFactory) -> str:
+    """The default toy Llama (4 layers, 2 KV heads, float32, seed 0)."""
+    return toy_model_factory()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRunner:
+    """``reference(model, prompts, max_tokens=8, **llm_kwargs)``: one
+    engine without the cache (``VLLM_USE_VINEYARD_CACHE`` unset) generating
+    ``prompts`` in one call; memoized for the session."""
+    runs: dict[str, EngineRun] = {}
+
+    def run(
+        model: str,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int = 8,
+        **llm_kwargs: Any,
+    ) -> EngineRun:
+        key = json.dumps([model, prompts, max_tokens, llm_kwargs], sort_keys=True)
+        if key not in runs:
+            workdir = tmp_path_factory.mktemp("reference")
+            runs[key] = run_engine(
+                model,
+                [{"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}],
+                engine_env(workdir / "unused-cache-root", use_cache=False),
+                workdir,
+                llm_kwargs=llm_kwargs,
+            )
+        return runs[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def module_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A directory for a module's engines and cache roots."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Backend trouble: serving goes on with correct outputs, the trouble shows
+in logs and metrics, and nothing hangs (every engine runs under a timeout,
+and the runner waits for every submitted update to be accounted for)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vineyard_engine_testing import (
+    EngineRun,
+    ReferenceRunner,
+    cacheable_prefix,
+    engine_env,
+    run_engine,
+    standard_prompts,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+# Without the local prefix cache every hit comes from vineyard.
+LLM_KWARGS = {"enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module")
+def no_cache(toy_model: str, reference: ReferenceRunner) -> list[list[int]]:
+    return reference(toy_model, standard_prompts()).last.outputs
+
+
+def test_unusable_root_at_startup(
+    toy_model: str, module_dir: Path, no_cache: list[list[int]]
+) -> None:
+    # Tests may run as root, which ignores permission bits: a path below a
+    # regular file can be created by nobody.
+    blocker = module_dir / "a-file"
+    blocker.write_text("not a directory")
+    root = blocker / "cache"
+    prompts = standard_prompts()
+    run = run_engine(
+        toy_model,
+        [{"prompts": prompts}, {"prompts": prompts}],
+        engine_env(root),
+        module_dir / "unusable",
+        llm_kwargs=LLM_KWARGS,
+        timeout_s=180,
+    )
+    for round_ in run.rounds:
+        assert round_.outputs == no_cache
+        assert round_.num_cached_tokens == [0] * len(prompts)
+    assert str(root) in run.log and "Not a directory" in run.log
+
+
+def test_root_broken_at_runtime(
+    toy_model: str, module_dir: Path, no_cache: list[list[int]]
+) -> None:
+    root = module_dir / "broken" / "cache"
+    prompts = standard_prompts()
+    run = run_engine(
+        toy_model,
+        [
+            {"prompts": prompts},
+            # The root becomes a regular file: everything cached is gone
+            # and nothing can be written any more.
+            {"prompts": prompts, "break_path": str(root)},
+            {"prompts": prompts},
+        ],
+        engine_env(root),
+        module_dir / "broken",
+        llm_kwargs=LLM_KWARGS,
+        timeout_s=180,
+    )
+    assert run.rounds[0].counter("tokens_written") > 0
+    for i, round_ in enumerate(run.rounds):
+        assert round_.settled
+        assert round_.outputs == no_cache
+        if i > 0:
+            assert round_.num_cached_tokens == [0] * len(prompts)
+            assert run.delta(i, "hit_tokens") == 0
+            assert run.delta(i, "tokens_written") == 0
+            # Visible: every update after the break is rejected or failed.
+            assert (
+                run.delta(i, "tokens_rejected") > 0
+                or run.delta(i, "updates_failed") > 0
+            )
+
+
+@pytest.fixture(scope="module")
+def killed(toy_model: str, module_dir: Path) -> EngineRun:
+    """SIGKILL every vineyard backend process of the engine (the scheduler's
+    reader, the worker's reader and writer) between generate calls."""
+    prompts = standard_prompts()
+    return run_engine(
+        toy_model,
+        [
+            {"prompts": prompts[:1]},
+            {"prompts": prompts, "kill_backends": True},
+            {"prompts": prompts, "kill_backends": True},
+        ],
+        engine_env(module_dir / "killed" / "cache"),
+        module_dir / "killed",
+        llm_kwargs=LLM_KWARGS,
+        timeout_s=180,
+    )
+
+
+def test_killed_backends_restart(killed: EngineRun) -> None:
+    assert [r.killed_backends for r in killed.rounds] == [0, 3, 3]
+    assert killed.delta(1, "backend_restarts") > 0
+    assert killed.delta(2, "backend_restarts") > 0
+    assert all(r.settled for r in killed.rounds)
+
+
+def test_killed_backends_keep_serving(
+    killed: EngineRun, no_cache: list[list[int]]
+) -> None:
+    prompts = standard_prompts()
+    assert killed.rounds[0].outputs == no_cache[:1]
+    assert killed.rounds[1].outputs == no_cache
+    assert killed.rounds[2].outputs == no_cache
+    # What was written before the kill is still found by the restarted
+    # reader; what was written after it by the restarted writer too.
+    assert killed.rounds[1].num_cached_tokens[0] == cacheable_prefix(len(prompts[0]))
+    assert killed.rounds[2].num_cached_tokens == [
+        cacheable_prefix(len(p)) for p in prompts
+    ]

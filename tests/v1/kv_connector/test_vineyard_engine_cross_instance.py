@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Two engine instances, one cache: what the first computed, the second loads.
+
+Both run vLLM's default multi-process engine (frontend, EngineCore, worker),
+turned on by ``VLLM_USE_VINEYARD_CACHE=1`` alone, so the plugin and the
+overlay are proven in spawned processes.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from vineyard_engine_testing import (
+    BLOCK_SIZE,
+    CHUNK_SIZE,
+    EngineRun,
+    ReferenceRunner,
+    cacheable_prefix,
+    common_prefix,
+    engine_env,
+    random_tokens,
+    run_engine,
+    saved_tokens,
+    whole_chunks,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    rng = random.Random(1)
+    base = random_tokens(rng, 2000)
+    return {
+        "shared_a": base + random_tokens(rng, 1000),
+        "shared_b": base + random_tokens(rng, 1100),
+        "other": random_tokens(rng, 3000),
+        # Shares 1400 tokens (5.47 chunks, 21.9 blocks) with the others.
+        "partial": base[:1400] + random_tokens(rng, 1700),
+    }
+
+
+FIRST = ("shared_a", "shared_b", "other")
+
+
+@pytest.fixture(scope="module")
+def instances(
+    toy_model: str, prompts: dict[str, list[int]], module_dir: Path
+) -> tuple[EngineRun, EngineRun]:
+    """Engine A fills a fresh cache; then engine B, on the same root, gets
+    the partial-prefix prompt first (nothing local yet), then A's prompts."""
+    env = engine_env(module_dir / "cache", multiprocessing=True)
+    first = [prompts[name] for name in FIRST]
+    a = run_engine(
+        toy_model,
+        [{"prompts": first, "max_tokens": MAX_TOKENS}],
+        env,
+        module_dir / "engine_a",
+    )
+    b = run_engine(
+        toy_model,
+        [
+            {"prompts": [prompts["partial"]], "max_tokens": MAX_TOKENS},
+            {"prompts": first, "max_tokens": MAX_TOKENS},
+        ],
+        env,
+        module_dir / "engine_b",
+    )
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def no_cache(
+    toy_model: str, prompts: dict[str, list[int]], reference: ReferenceRunner
+) -> dict[str, list[int]]:
+    names = [*FIRST, "partial"]
+    run = reference(toy_model, [prompts[n] for n in names], MAX_TOKENS)
+    return dict(zip(names, run.last.outputs, strict=True))
+
+
+def test_first_instance_saves_every_whole_chunk(
+    instances: tuple[EngineRun, EngineRun], prompts: dict[str, list[int]]
+) -> None:
+    a, _ = instances
+    assert a.last.settled
+    assert a.last.counter("hit_tokens") == 0  # a fresh root
+    assert a.last.counter("tokens_written") == sum(
+        saved_tokens(len(prompts[name]), MAX_TOKENS) for name in FIRST
+    )
+    assert a.last.counter("tokens_rejected") == 0
+    assert a.last.counter("updates_failed") == 0
+    assert a.last.counter("updates_completed") == a.last.counter("updates_submitted")
+
+
+def test_second_instance_loads_whole_chunks(
+    instances: tuple[EngineRun, EngineRun], prompts: dict[str, list[int]]
+) -> None:
+    _, b = instances
+    # B's first request has no local prefix cache to hit: all it gets is
+    # external, and only the whole chunks of the common prefix (block
+    # granularity would give more).
+    common = common_prefix(prompts["partial"], prompts["shared_a"])
+    expected = whole_chunks(common)
+    assert expected % CHUNK_SIZE == 0 and common // BLOCK_SIZE * BLOCK_SIZE > expected
+    assert b.rounds[0].num_cached_tokens == [expected]
+    assert b.delta(0, "hit_tokens") == expected
+    assert b.delta(0, "loaded_tokens") == expected
+    assert b.delta(0, "vllm:external_prefix_cache_hits") == expected
+
+    # Then every prompt A computed is cached up to its last whole chunk
+    # (one token is always left to compute).
+    assert b.rounds[1].num_cached_tokens == [
+        cacheable_prefix(len(prompts[name])) for name in FIRST
+    ]
+    # "other" shares nothing with anything B computed: all of it external.
+    assert b.delta(1, "hit_tokens") >= cacheable_prefix(len(prompts["other"]))
+    assert b.last.counter("loaded_tokens") == b.last.counter("hit_tokens")
+    assert b.last.counter("load_errors") == 0
+
+
+def test_outputs_identical_across_instances(
+    instances: tuple[EngineRun, EngineRun],
+    no_cache: dict[str, list[int]],
+) -> None:
+    a, b = instances
+    expected = [no_cache[name] for name in FIRST]
+    assert a.last.outputs == expected
+    assert b.rounds[1].outputs == expected
+    assert b.rounds[0].outputs == [no_cache["partial"]]
+
+
+def test_metrics_in_get_metrics(instances: tuple[EngineRun, EngineRun]) -> None:
+    a, b = instances
+    for run in (a, b):
+        names = run.vineyard_metric_names()
+        for counter in ("query_tokens", "hit_tokens", "loaded_tokens"):
+            assert f"vllm:vineyard_cache_{counter}" in names
+        assert "vllm:vineyard_cache_tokens_written" in names
+    assert a.last.counter("query_tokens") > 0
+    assert b.last.counter("hit_tokens") > 0
+    assert b.last.counter("loaded_tokens") > 0
+    assert b.last.counter("hit_tokens") <= b.last.counter("query_tokens")

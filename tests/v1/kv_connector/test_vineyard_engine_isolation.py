@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Models sharing one cache root never load each other's KV.
+
+Vineyard keys chunks by token ids alone; the same prompt on another
+checkpoint, dtype or block size must not hit what the first model stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vineyard_engine_testing import (
+    EngineRun,
+    ModelFactory,
+    ReferenceRunner,
+    cacheable_prefix,
+    common_prefix,
+    engine_env,
+    run_engine,
+    standard_prompts,
+    whole_chunks,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+# name -> (toy checkpoint config, engine arguments)
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "other_checkpoint": ({"seed": 1}, {}),
+    "bfloat16": ({}, {"dtype": "bfloat16"}),
+    "block_size_128": ({}, {"block_size": 128}),
+}
+
+
+@pytest.fixture(scope="module")
+def first_model(toy_model: str, module_dir: Path) -> EngineRun:
+    """The default toy model fills the shared root."""
+    prompts = standard_prompts()
+    run = run_engine(
+        toy_model,
+        [{"prompts": prompts}],
+        engine_env(module_dir / "cache"),
+        module_dir / "first",
+    )
+    assert run.last.counter("tokens_written") > 0
+    return run
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_other_model_never_loads_first_models_kv(
+    variant: str,
+    first_model: EngineRun,
+    toy_model_factory: ModelFactory,
+    reference: ReferenceRunner,
+    module_dir: Path,
+) -> None:
+    model_config, llm_kwargs = VARIANTS[variant]
+    model = toy_model_factory(**model_config)
+    shared_a, shared_b, other = standard_prompts()
+    # No local prefix cache: every hit comes from the shared root.
+    kwargs = {**llm_kwargs, "enable_prefix_caching": False}
+    run = run_engine(
+        model,
+        [
+            # Two prompts the first model cached in full, sharing nothing.
+            {"prompts": [shared_a, other]},
+            # Then the same, plus one the first model cached whose prefix
+            # only this model's shared_a has.
+            {"prompts": [shared_a, shared_b, other]},
+        ],
+        engine_env(module_dir / "cache"),
+        module_dir / variant,
+        llm_kwargs=kwargs,
+    )
+    assert run.rounds[0].num_cached_tokens == [0, 0]
+    assert run.delta(0, "query_tokens") > 0
+    assert run.delta(0, "hit_tokens") == 0
+    assert run.delta(0, "loaded_tokens") == 0
+    assert run.delta(0, "vllm:external_prefix_cache_hits") == 0
+    # The same engine arguments: in bfloat16 even the split of a prefill
+    # into steps can change the numerics.
+    expected = reference(model, [shared_a, other], **kwargs).last.outputs
+    assert run.rounds[0].outputs == expected
+    # Its own KV, stored beside the first model's, is found; of shared_b
+    # only the prefix it shares with shared_a.
+    assert run.rounds[1].num_cached_tokens == [
+        cacheable_prefix(len(shared_a)),
+        whole_chunks(common_prefix(shared_a, shared_b)),
+        cacheable_prefix(len(other)),
+    ]
+    if variant == "other_checkpoint":
+        # Same prompts, other weights: loading the first model's KV would
+        # have shown in the outputs.
+        first_outputs = first_model.last.outputs
+        assert expected[0] != first_outputs[0]  # shared_a comes first in both
