@@ -845,15 +845,19 @@ class VineyardLLMCache:
         finally:
             self._count_restarts(self._writer, restarts)
 
-    def _query(self, prefix: Sequence[int], tokens: Sequence[int]) -> int:
+    def _query(
+        self, prefix: Sequence[int], tokens: Sequence[int], count_error: bool = True
+    ) -> int:
         """Read the cached leading chunks of ``tokens`` (which follow
-        ``prefix``) into the read buffer; returns tokens read, 0 on error."""
+        ``prefix``) into the read buffer; returns tokens read, 0 on error
+        (counted in ``load_errors`` unless the caller counts it)."""
         restarts = self._reader.restarts
         try:
             return self._reader.call("query", 0, list(prefix), list(tokens))
         except BackendError as e:
             logger.warning("vineyard cache read failed, recomputing: %s", e)
-            self.metrics.add("load_errors")
+            if count_error:
+                self.metrics.add("load_errors")
             return 0
         finally:
             self._count_restarts(self._reader, restarts)
@@ -920,7 +924,10 @@ class VineyardLLMCache:
         loaded = start
         read_from = start // self.chunk_size * self.chunk_size
         for seg_start, seg_end in self._segments(read_from, end):
-            found = self._query(token_ids[:seg_start], token_ids[seg_start:seg_end])
+            # A read error shows as a short load, counted once below.
+            found = self._query(
+                token_ids[:seg_start], token_ids[seg_start:seg_end], count_error=False
+            )
             found = min(found, seg_end - seg_start) // bs * bs
             # Blocks of this segment to write: those at or after ``start``.
             skip = max(0, start - seg_start) // bs
