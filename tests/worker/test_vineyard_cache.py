@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Round trips through the real vineyard file backend: paged KV gathered,
+written, looked up and loaded into other blocks, bit for bit; prefix rules,
+local hits, short loads and namespaces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vineyard_cache_testing import (
+    CHUNK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    CacheFactory,
+    CacheHarness,
+    chunk_files,
+    make_tokens,
+    same_bits,
+)
+
+from vllm.worker.vineyard_llm_cache import SaveRequest
+
+# A sequence of five whole chunks and a partial one.
+SEQ_CHUNKS = 5
+SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 7
+CACHED = SEQ_CHUNKS * CHUNK_SIZE
+SRC_BLOCK = 0  # the request's own blocks start here
+DST_BLOCK = 40  # another request's blocks, loaded into
+
+
+def save_sequence(
+    h: CacheHarness, tokens: list[int], num_computed: int, req_id: str = "req"
+) -> list[int]:
+    """Save a request whose KV sits in blocks from SRC_BLOCK; returns them."""
+    blocks = h.blocks_for(SRC_BLOCK, len(tokens))
+    h.save_all([SaveRequest(req_id, tokens, num_computed, blocks)])
+    h.cache.release(req_id)
+    return blocks
+
+
+def check_loaded(
+    h: CacheHarness,
+    before: torch.Tensor,
+    src: list[int],
+    dst: list[int],
+) -> None:
+    """``dst`` blocks now hold ``src``'s bytes in every layer; every other
+    block is as it was in ``before``."""
+    assert len(src) == len(dst)
+    assert same_bits(h.kv[:, dst], h.kv[:, src]), "loaded KV differs"
+    untouched = sorted(set(range(h.kv.shape[1])) - set(dst))
+    assert same_bits(h.kv[:, untouched], before[:, untouched]), "stray write"
+
+
+@pytest.mark.parametrize("cache", ["small_cache", "small_cache_bf16"])
+def test_round_trip_is_bit_identical(request: pytest.FixtureRequest, cache: str):
+    h: CacheHarness = request.getfixturevalue(cache)
+    tokens = make_tokens(SEQ_LEN)
+    files_before = len(chunk_files(h.cache.root))
+    src = save_sequence(h, tokens, SEQ_LEN)
+    counters = h.counters()
+    assert counters["tokens_written"] == CACHED  # the partial chunk is not saved
+    assert counters["tokens_rejected"] == counters["updates_failed"] == 0
+    # The buffer holds 4 chunks: two tasks.
+    assert counters["updates_completed"] == 2
+    assert len(chunk_files(h.cache.root)) - files_before == SEQ_CHUNKS
+
+    assert h.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    n = CACHED // h.block_size
+    before = h.kv.clone()
+    assert not same_bits(before[:, dst[:n]], before[:, src[:n]])  # can fail
+    assert h.cache.load(tokens, 0, CACHED, dst) == CACHED
+    check_loaded(h, before, src[:n], dst[:n])
+    counters = h.counters()
+    assert counters["loaded_tokens"] == CACHED
+    assert counters["load_errors"] == 0
+
+
+@pytest.mark.parametrize("start", [16, CHUNK_SIZE, 48, 2 * CHUNK_SIZE, 144])
+def test_load_from_a_block_boundary(small_cache_bf16: CacheHarness, start: int):
+    """A request with a local hit (whole blocks, maybe mid-chunk) loads only
+    the blocks after it, and never writes the blocks of the local hit
+    (maybe shared with other requests)."""
+    h = small_cache_bf16
+    tokens = make_tokens(SEQ_LEN)
+    src = save_sequence(h, tokens, SEQ_LEN)
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    first, n = start // h.block_size, CACHED // h.block_size
+    before = h.kv.clone()
+    assert h.cache.load(tokens, start, CACHED, dst) == CACHED
+    check_loaded(h, before, src[first:n], dst[first:n])
+    counters = h.counters()
+    assert counters["loaded_tokens"] == CACHED - start
+    assert counters["load_errors"] == 0
+
+
+@pytest.mark.parametrize(
+    "diverge_at",
+    [0, 5, CHUNK_SIZE, 2 * CHUNK_SIZE + 10, 3 * CHUNK_SIZE - 1, 4 * CHUNK_SIZE],
+)
+def test_lookup_stops_where_the_prefix_diverges(
+    small_cache: CacheHarness, diverge_at: int
+):
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    src = save_sequence(h, tokens, SEQ_LEN)
+    other = list(tokens)
+    other[diverge_at] = (other[diverge_at] + 1) % 32000
+    common = diverge_at // CHUNK_SIZE * CHUNK_SIZE  # whole common chunks
+    assert h.cache.lookup(other, 0) == (common, common)
+    assert h.counters()["hit_tokens"] == common
+    # Loading it gives exactly the common chunks, nothing of the rest.
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    before = h.kv.clone()
+    n = common // h.block_size
+    assert h.cache.load(other, 0, common, dst) == common
+    check_loaded(h, before, src[:n], dst[:n])
+    assert h.counters()["load_errors"] == 0
+
+
+@pytest.mark.parametrize(
+    ("num_local", "expected"),
+    [
+        (0, (CACHED, CACHED)),
+        (CHUNK_SIZE, (CACHED - CHUNK_SIZE, CACHED)),
+        (CHUNK_SIZE + 16, (CACHED - CHUNK_SIZE - 16, CACHED)),  # mid-chunk
+        (3 * CHUNK_SIZE, (CACHED - 3 * CHUNK_SIZE, CACHED)),
+        (CACHED, (0, CACHED)),  # vLLM has it all
+        (SEQ_LEN - 1, (0, CACHED)),
+    ],
+)
+def test_lookup_returns_only_tokens_beyond_the_local_hit(
+    small_cache: CacheHarness, num_local: int, expected: tuple[int, int]
+):
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    save_sequence(h, tokens, SEQ_LEN)
+    assert h.cache.lookup(tokens, num_local) == expected
+    counters = h.counters()
+    assert counters["hit_tokens"] == expected[0]
+    assert counters["query_tokens"] == max(0, CACHED - num_local)
+
+
+def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_the_start(
+    small_cache: CacheHarness,
+):
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    save_sequence(h, tokens, 2 * CHUNK_SIZE)  # two chunks only
+    assert h.cache.lookup(tokens, 2 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
+    # The local hit's last chunk is not in vineyard: save it all.
+    assert h.cache.lookup(tokens, 3 * CHUNK_SIZE) == (0, 0)
+
+
+def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
+    h = small_cache
+    tokens = make_tokens(CACHED)  # exactly whole chunks
+    save_sequence(h, tokens, CACHED)
+    assert h.counters()["tokens_written"] == CACHED
+    assert h.cache.lookup(tokens, 0) == (CACHED - CHUNK_SIZE, CACHED - CHUNK_SIZE)
+    assert h.cache.lookup(tokens + [7], 0) == (CACHED, CACHED)
+
+
+def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):
+    """Lookups and loads longer than the read buffer go segment by segment."""
+    h = small_cache
+    length = 4 * MAX_NUM_BATCHED_TOKENS + 1
+    tokens = make_tokens(length)
+    src = h.blocks_for(0, length)
+    h.save_all([SaveRequest("long", tokens, length, src)])
+    assert h.counters()["updates_completed"] == 4
+    total = length - 1
+    assert h.cache.lookup(tokens, 0) == (total, total)
+    dst = h.blocks_for(80, length)
+    before = h.kv.clone()
+    n = total // h.block_size
+    assert h.cache.load(tokens, 0, total, dst) == total
+    check_loaded(h, before, src[:n], dst[:n])
+
+
+@pytest.mark.parametrize("saved_chunks", [0, 2, 4])
+def test_short_load_returns_the_shorter_end_and_counts_an_error(
+    small_cache: CacheHarness, saved_chunks: int
+):
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    saved = saved_chunks * CHUNK_SIZE
+    src = save_sequence(h, tokens, saved)
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    before = h.kv.clone()
+    # Promised (e.g. by a lookup that raced an eviction): all five chunks.
+    assert h.cache.load(tokens, 0, CACHED, dst) == saved
+    n = saved // h.block_size
+    check_loaded(h, before, src[:n], dst[:n])
+    counters = h.counters()
+    assert counters["load_errors"] == 1
+    assert counters["loaded_tokens"] == saved
+
+
+@pytest.mark.parametrize(
+    "differs",
+    [
+        {"model": "another-model"},
+        {"dtype": torch.bfloat16},
+        {"block_size": 32, "num_blocks": 80},
+        {"kv_layout": "FLASH_ATTN"},
+    ],
+    ids=["model", "dtype", "block_size", "kv_layout"],
+)
+def test_namespaces_do_not_see_each_other(
+    small_cache: CacheHarness, make_cache: CacheFactory, differs: dict[str, object]
+):
+    """Two layouts on the same root never share chunks."""
+    first = small_cache
+    other = make_cache(root=Path(first.config.root), seed=2, **differs)
+    assert first.cache.root != other.cache.root
+
+    tokens = make_tokens(SEQ_LEN)
+    src = save_sequence(first, tokens, SEQ_LEN)
+    assert other.cache.lookup(tokens, 0) == (0, 0)
+
+    # The other namespace writes the same tokens; each reads its own bytes.
+    save_sequence(other, tokens, SEQ_LEN)
+    assert other.counters()["tokens_written"] == CACHED
+    assert other.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    n = CACHED // first.block_size
+    dst = first.blocks_for(DST_BLOCK, SEQ_LEN)
+    before = first.kv.clone()
+    assert first.cache.load(tokens, 0, CACHED, dst) == CACHED
+    check_loaded(first, before, src[:n], dst[:n])
+    assert first.counters()["tokens_rejected"] == 0
+
+
+def test_same_layout_on_the_same_root_shares_chunks(
+    small_cache: CacheHarness, make_cache: CacheFactory
+):
+    """Another instance of the same model (same layout, same root) loads what
+    this one saved: the namespace is deterministic."""
+    twin = make_cache(root=Path(small_cache.config.root), seed=5)
+    assert twin.cache.root == small_cache.cache.root
+    tokens = make_tokens(SEQ_LEN)
+    src = save_sequence(small_cache, tokens, SEQ_LEN)
+    assert twin.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    dst = twin.blocks_for(DST_BLOCK, SEQ_LEN)
+    assert twin.cache.load(tokens, 0, CACHED, dst) == CACHED
+    n = CACHED // twin.block_size
+    assert same_bits(twin.kv[:, dst[:n]], small_cache.kv[:, src[:n]])
