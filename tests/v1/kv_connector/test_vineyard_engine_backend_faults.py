@@ -107,8 +107,13 @@ def killed(toy_model: str, module_dir: Path) -> EngineRun:
 
 def test_killed_backends_restart(killed: EngineRun) -> None:
     assert [r.killed_backends for r in killed.rounds] == [0, 3, 3]
-    assert killed.delta(1, "backend_restarts") > 0
+    # Backends restart on their next call: the readers for the lookups and
+    # loads, the writer for the saves of round 1 (round 2 has none to make).
+    assert killed.delta(1, "backend_restarts") == 3
     assert killed.delta(2, "backend_restarts") > 0
+    assert killed.delta(1, "tokens_written") > 0
+    assert killed.last.counter("updates_failed") == 0
+    assert killed.last.counter("load_errors") == 0
     assert all(r.settled for r in killed.rounds)
 
 
