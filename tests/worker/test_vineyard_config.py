@@ -36,7 +36,7 @@ class EnvCase:
     bad: tuple[tuple[str, str], ...]
 
 
-BOOL_BAD = (("2", "1/0"), ("maybe", "1/0"), ("", "1/0"))
+BOOL_BAD = (("2", "1 or 0"), ("maybe", "1 or 0"), ("", "1 or 0"))
 
 CASES: dict[str, EnvCase] = {
     "VLLM_USE_VINEYARD_CACHE": EnvCase(

@@ -262,3 +262,42 @@ def _sleep_in_backend(writer: BackendProcess, errors: list[Exception]) -> None:
         writer.call("sleep", 30.0, timeout_s=60.0)
     except BackendError as e:
         errors.append(e)
+
+
+def test_failed_write_is_written_again_from_its_first_chunk(
+    make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+):
+    h = make_cache(max_inflight_tasks=4)
+    cache = h.cache
+    assert cache._writer is not None
+    (seq,) = make_sequences(h, 1, num_chunks=4)
+    real_call = cache._writer.call
+    failures = iter([True])
+
+    def fail_once(*request, **kwargs):
+        if request[0] == "update" and next(failures, False):
+            raise BackendError("injected write failure")
+        return real_call(*request, **kwargs)
+
+    monkeypatch.setattr(cache._writer, "call", fail_once)
+    seq.computed = 2 * CHUNK_SIZE
+    assert cache.save([seq.request()])  # chunks 0-1: the write fails
+    h.wait()
+    seq.computed = 4 * CHUNK_SIZE
+    assert cache.save([seq.request()])  # rewound: chunks 0-3 in one task
+    h.wait()
+    counters = h.counters()
+    assert counters["updates_failed"] == 1 and counters["updates_completed"] == 1
+    assert counters["tokens_rejected"] == 0
+    assert cached_tokens(h, seq) == 4 * CHUNK_SIZE
+
+
+def test_no_staging_copy_once_the_writer_is_disabled(make_cache: CacheFactory):
+    h = make_cache()
+    assert h.cache._writer is not None
+    h.cache._writer.disabled_reason = "disabled by the test"
+    (seq,) = make_sequences(h, 1, num_chunks=2)
+    seq.computed = 2 * CHUNK_SIZE
+    assert not h.cache.save([seq.request()])
+    assert h.counters()["updates_submitted"] == 0
+    assert h.cache.pool is not None and h.cache.pool.num_in_flight == 0

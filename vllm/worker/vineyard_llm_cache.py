@@ -16,6 +16,7 @@ behind a write.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -34,26 +35,13 @@ import torch
 from vllm.logger import init_logger
 
 from vllm.worker.vineyard_backend import BackendError, BackendProcess, BackendSpec
+from vllm.worker.vineyard_plugin import BOOL_ALLOWED, parse_bool
 
 logger = init_logger(__name__)
 
 # --------------------------------------------------------------------------
 # Configuration: one table of environment variables, parsed once.
 # --------------------------------------------------------------------------
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _parse_bool(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"{name}={raw!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off"
-    )
 
 
 def _number_parser(
@@ -125,8 +113,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "0",
             "1 turns the vineyard cache on for `vllm serve` and "
             "`LLM(...)` with no other flag.",
-            _parse_bool,
-            "0 or 1",
+            parse_bool,
+            BOOL_ALLOWED,
         ),
         _env_var(
             "VINEYARD_CACHE_CPU_MEM_LIMIT_GB",
@@ -139,8 +127,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "1",
             "1: updates are written in the background; 0: the forward "
             "thread waits for every write.",
-            _parse_bool,
-            "0 or 1",
+            parse_bool,
+            BOOL_ALLOWED,
         ),
         _env_var(
             "VINEYARD_CACHE_ASYNC_UPDATE_CPU_MEM_UTIL",
@@ -165,8 +153,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "VINEYARD_CACHE_METRICS_ENABLED",
             "0",
             "1: also collect timing histograms (counters are always on).",
-            _parse_bool,
-            "0 or 1",
+            parse_bool,
+            BOOL_ALLOWED,
         ),
         _env_var(
             "VINEYARD_CACHE_ROOT",
@@ -532,6 +520,8 @@ class _UpdateTask:
     buffer_id: int
     # (first token slot in the buffer, prefix token ids, chunk token ids)
     segments: list[tuple[int, list[int], list[int]]]
+    # (request id, first token) of each segment, to rewind on failure
+    origins: list[tuple[str, int]] = field(default_factory=list)
     copy_done: torch.cuda.Event | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
@@ -551,8 +541,10 @@ class _AsyncUpdater:
         pool: _PinnedTensorPool,
         metrics: VineyardCacheMetrics,
         drain_timeout_s: float,
+        on_failed: Callable[[_UpdateTask], None] | None = None,
     ):
         self._write = write
+        self._on_failed = on_failed
         self._pool = pool
         self._metrics = metrics
         self._drain_timeout_s = drain_timeout_s
@@ -594,6 +586,8 @@ class _AsyncUpdater:
                 len(task.segments),
                 e,
             )
+            if self._on_failed is not None:
+                self._on_failed(task)
             self._finish(task, "failed")
             return
         lengths = [len(tokens) for _, _, tokens in task.segments]
@@ -763,6 +757,9 @@ class VineyardLLMCache:
             )
 
         self._resume: dict[str, int] = {}
+        # (request id, first token) of segments whose write failed: their
+        # requests resume from there (filled by the updater thread).
+        self._failed_origins: collections.deque[tuple[str, int]] = collections.deque()
         self._closed = False
         # Reads: one buffer, used by lookups and loads.
         self._read_memory = _StagingMemory(
@@ -820,7 +817,11 @@ class VineyardLLMCache:
                 config.backend_timeout_s,
             )
             self._updater = _AsyncUpdater(
-                self._write_to_backend, self._pool, self.metrics, config.drain_timeout_s
+                self._write_to_backend,
+                self._pool,
+                self.metrics,
+                config.drain_timeout_s,
+                on_failed=lambda task: self._failed_origins.extend(task.origins),
             )
         if kv_caches is None:
             logger.info("vineyard cache lookups at %s", self.root)
@@ -970,9 +971,18 @@ class VineyardLLMCache:
         the request's blocks are alive. Returns whether a task was submitted.
         """
         assert self._pool is not None and self._updater is not None
+        assert self._writer is not None
+        if self._closed or self._writer.disabled_reason is not None:
+            return False  # no backend: staging copies would be wasted
         t0 = time.perf_counter()
         bs = self.layout.block_size
         chunk = self.chunk_size
+        while self._failed_origins:
+            # Later chunks of these requests were refused for want of their
+            # prefix: write again from the failed segment on.
+            req_id, begin = self._failed_origins.popleft()
+            if req_id in self._resume:
+                self._resume[req_id] = min(self._resume[req_id], begin)
         pending: list[tuple[str, int, int, SaveRequest]] = []
         for req in requests:
             begin = self._resume.setdefault(req.req_id, req.save_from)
@@ -987,6 +997,7 @@ class VineyardLLMCache:
             return False
 
         segments: list[tuple[int, list[int], list[int]]] = []
+        origins: list[tuple[str, int]] = []
         src_blocks: list[int] = []
         free_blocks = self.max_blocks
         for req_id, begin, finished, req in pending:
@@ -1000,6 +1011,7 @@ class VineyardLLMCache:
                     list(req.token_ids[begin:end]),
                 )
             )
+            origins.append((req_id, begin))
             src_blocks.extend(req.block_ids[begin // bs : end // bs])
             free_blocks -= (end - begin) // bs
             self._resume[req_id] = end
@@ -1020,7 +1032,7 @@ class VineyardLLMCache:
                         kv.index_select(0, index).reshape(n, -1), non_blocking=True
                     )
         # Created after the copy: its queue delay starts at the submit.
-        task = _UpdateTask(buffer_id, segments)
+        task = _UpdateTask(buffer_id, segments, origins)
         if self.device.type == "cuda":
             # The copy runs on the compute stream, so the next forward pass
             # cannot overwrite these blocks before it is done.
@@ -1029,7 +1041,8 @@ class VineyardLLMCache:
         self._updater.submit(task)
         self.metrics.observe("save_caller_s", time.perf_counter() - t0)
         if not self.config.enable_async_update:
-            task.done.wait()
+            # Bounded: a stalled backend is killed after its timeout.
+            task.done.wait(self.config.backend_timeout_s + 5.0)
         return True
 
     def release(self, req_id: str) -> None:
