@@ -248,3 +248,27 @@ def test_same_layout_on_the_same_root_shares_chunks(
     assert twin.cache.load(tokens, 0, CACHED, dst) == CACHED
     n = CACHED // twin.block_size
     assert same_bits(twin.kv[:, dst[:n]], small_cache.kv[:, src[:n]])
+
+
+@pytest.mark.parametrize("cached_chunks", [0, 1, 7, 12, 15, 16])
+def test_lookup_reads_single_chunks_by_binary_search(
+    small_cache: CacheHarness, monkeypatch: pytest.MonkeyPatch, cached_chunks: int
+):
+    """A lookup must not read the whole cached prefix (a hit would cost two
+    full reads): it reads one chunk at a time, O(log n) of them."""
+    h = small_cache
+    num_chunks = 16
+    tokens = make_tokens(num_chunks * CHUNK_SIZE + 1)
+    if cached_chunks:
+        save_sequence(h, tokens, cached_chunks * CHUNK_SIZE)
+    reads: list[int] = []
+    real_call = h.cache._reader.call
+
+    def record(*request, **kwargs):
+        reads.append(len(request[3]))
+        return real_call(*request, **kwargs)
+
+    monkeypatch.setattr(h.cache._reader, "call", record)
+    assert h.cache.lookup(tokens, 0) == (cached_chunks * CHUNK_SIZE,) * 2
+    assert set(reads) == {CHUNK_SIZE}
+    assert len(reads) <= 2 + num_chunks.bit_length()

@@ -848,9 +848,9 @@ class VineyardLLMCache:
 
     def _query(
         self, prefix: Sequence[int], tokens: Sequence[int], count_error: bool = True
-    ) -> int:
+    ) -> int | None:
         """Read the cached leading chunks of ``tokens`` (which follow
-        ``prefix``) into the read buffer; returns tokens read, 0 on error
+        ``prefix``) into the read buffer; returns tokens read, None on error
         (counted in ``load_errors`` unless the caller counts it)."""
         restarts = self._reader.restarts
         try:
@@ -859,7 +859,7 @@ class VineyardLLMCache:
             logger.warning("vineyard cache read failed, recomputing: %s", e)
             if count_error:
                 self.metrics.add("load_errors")
-            return 0
+            return None
         finally:
             self._count_restarts(self._reader, restarts)
 
@@ -883,24 +883,46 @@ class VineyardLLMCache:
         whole chunks after ``num_local_tokens`` (at least one token is always
         left to compute); ``save_from`` is the first token that is not known
         to be in vineyard, where the request's saves should start.
+
+        Vineyard cannot tell whether a chunk exists without reading it, so
+        this reads single chunks, not the prefix: the last one, then a binary
+        search. Chunks are written in order, so a cached chunk implies that
+        its prefix was cached; if expiry has since removed an earlier one,
+        the worker's load comes up short and vLLM recomputes from there.
         """
         chunk = self.chunk_size
         start = num_local_tokens // chunk * chunk
         limit = (len(token_ids) - 1) // chunk * chunk
-        # The local hit's last whole chunk can only be in vineyard if all
-        # before it are; if it is not, save the request from the start.
-        probe = start - chunk
-        if start > 0 and self._query(token_ids[:probe], token_ids[probe:start]) < chunk:
-            return 0, 0
-        if limit <= start:
-            return 0, start
-        self.metrics.add("query_tokens", limit - num_local_tokens)
-        hit_end = start
-        for seg_start, seg_end in self._segments(start, limit):
-            found = self._query(token_ids[:seg_start], token_ids[seg_start:seg_end])
-            hit_end = seg_start + found
-            if hit_end < seg_end:
-                break
+
+        def cached(end: int) -> bool:  # is the chunk ending at ``end`` cached?
+            first = end - chunk
+            found = self._query(token_ids[:first], token_ids[first:end])
+            if found is None:
+                raise BackendError("read failed")
+            return found == chunk
+
+        try:
+            # The local hit's last whole chunk can only be in vineyard if all
+            # before it are; if it is not, save the request from the start.
+            if start > 0 and not cached(start):
+                return 0, 0
+            if limit <= start:
+                return 0, start
+            self.metrics.add("query_tokens", limit - num_local_tokens)
+            # Find the last cached chunk end in (start, limit]: ``low`` is
+            # known cached (or the local hit), ``high + chunk`` known missing.
+            low, high = start, limit
+            if not cached(high):
+                high -= chunk
+                while low < high:
+                    mid = (low + high) // 2 // chunk * chunk + chunk
+                    if cached(mid):
+                        low = mid
+                    else:
+                        high = mid - chunk
+        except BackendError:
+            return 0, 0  # backend trouble: recompute (counted by _query)
+        hit_end = high
         num_hit = max(0, hit_end - num_local_tokens)
         self.metrics.add("hit_tokens", num_hit)
         return num_hit, hit_end
@@ -929,7 +951,7 @@ class VineyardLLMCache:
             found = self._query(
                 token_ids[:seg_start], token_ids[seg_start:seg_end], count_error=False
             )
-            found = min(found, seg_end - seg_start) // bs * bs
+            found = min(found or 0, seg_end - seg_start) // bs * bs
             # Blocks of this segment to write: those at or after ``start``.
             skip = max(0, start - seg_start) // bs
             n = found // bs - skip
