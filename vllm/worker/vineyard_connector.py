@@ -146,6 +146,7 @@ _COUNTER_DOCS = {
     "tokens_written": "Tokens whose KV was written to vineyard.",
     "tokens_rejected": "Tokens vineyard refused (their prefix was not cached).",
     "backend_restarts": "Restarts of a vineyard backend process.",
+    "backend_start_failures": "Caches that could not start (the cache is off).",
 }
 _HISTOGRAM_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
 _HISTOGRAM_BUCKETS += [0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -284,6 +285,8 @@ class VineyardConnector(KVConnectorBase_V1):
         self._cache: VineyardLLMCache | None = None
         self._worker_requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
+        # Backend start failures not yet reported in the stats.
+        self._start_failures = 0
         if role == KVConnectorRole.SCHEDULER:
             policy = self._kv_transfer_config.kv_load_failure_policy
             if policy != "recompute":
@@ -354,6 +357,7 @@ class VineyardConnector(KVConnectorBase_V1):
             # is backend trouble: serve without the cache (no handshake, so
             # the scheduler neither loads nor saves), but say so.
             logger.error("vineyard cache unavailable, serving without it: %s", e)
+            self._start_failures += 1
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._cache is None else VineyardHandshake(self._cache.layout)
@@ -431,6 +435,8 @@ class VineyardConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         caches = [self._cache] if self._cache is not None else self._lookups
         stats = VineyardConnectorStats()
+        stats.data["backend_start_failures"] = self._start_failures
+        self._start_failures = 0
         for rank, cache in enumerate(caches):
             data = cache.metrics.take()
             if rank > 0:
@@ -488,6 +494,7 @@ class VineyardConnector(KVConnectorBase_V1):
                 )
         except BackendError as e:
             logger.error("vineyard cache lookups unavailable, cache off: %s", e)
+            self._start_failures += 1
             for cache in self._lookups:
                 cache.close()
             self._lookups = []

@@ -340,6 +340,7 @@ COUNTERS = (
     "tokens_written",
     "tokens_rejected",  # vineyard refused (prefix not cached)
     "backend_restarts",
+    "backend_start_failures",  # the cache could not start: it is off
 )
 HISTOGRAMS = (
     "update_queue_delay_s",  # submit -> start of the write

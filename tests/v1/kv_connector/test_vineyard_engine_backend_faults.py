@@ -50,6 +50,9 @@ def test_unusable_root_at_startup(
         assert round_.outputs == no_cache
         assert round_.num_cached_tokens == [0] * len(prompts)
     assert str(root) in run.log and "Not a directory" in run.log
+    # Counted, not only logged: the worker's cache and the scheduler's
+    # lookups never started.
+    assert run.rounds[-1].counter("backend_start_failures") >= 1
 
 
 def test_root_broken_at_runtime(
