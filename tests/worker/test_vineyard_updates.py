@@ -301,3 +301,18 @@ def test_no_staging_copy_once_the_writer_is_disabled(make_cache: CacheFactory):
     assert not h.cache.save([seq.request()])
     assert h.counters()["updates_submitted"] == 0
     assert h.cache.pool is not None and h.cache.pool.num_in_flight == 0
+
+
+def test_save_told_not_to_take_a_buffer_skips_and_resumes(make_cache: CacheFactory):
+    """Tensor-parallel peers skip together: a rank with a free buffer still
+    skips when told to, and saves the same chunks on a later call."""
+    h = make_cache()
+    (seq,) = make_sequences(h, 1, num_chunks=2)
+    seq.computed = 2 * CHUNK_SIZE
+    assert h.cache.can_save()
+    assert not h.cache.save([seq.request()], may_take_buffer=False)
+    assert h.counters()["updates_skipped"] == 1
+    assert h.cache.pool is not None and h.cache.pool.num_in_flight == 0
+    assert h.cache.save([seq.request()])
+    h.wait()
+    assert cached_tokens(h, seq) == 2 * CHUNK_SIZE

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -285,6 +286,7 @@ class VineyardConnector(KVConnectorBase_V1):
         self._cache: VineyardLLMCache | None = None
         self._worker_requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
+        self._tp_world_size = 1
         # Backend start failures not yet reported in the stats.
         self._start_failures = 0
         if role == KVConnectorRole.SCHEDULER:
@@ -341,6 +343,7 @@ class VineyardConnector(KVConnectorBase_V1):
         if first.device.type == "cpu":
             kv_layout += f":{torch.backends.cpu.get_cpu_capability()}"
         tp_group = get_tp_group()
+        self._tp_world_size = tp_group.world_size
         layout = self._layout(
             first.dtype, kv_layout, tp_group.world_size, tp_group.rank_in_group
         )
@@ -402,6 +405,15 @@ class VineyardConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, VineyardConnectorMetadata)
+        if not meta.requests:  # the same on every rank
+            return
+        may_save = self._cache is not None and self._cache.can_save()
+        if self._tp_world_size > 1:
+            # Ranks store shards of the same chunks: they save or skip
+            # together, so no rank holds chunks that its peers lack.
+            flag = torch.tensor([int(may_save)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+            may_save = bool(flag.item())
         if self._cache is None:
             return
         saves = []
@@ -416,8 +428,7 @@ class VineyardConnector(KVConnectorBase_V1):
                     save_from=delta.save_from,
                 )
             )
-        if saves:
-            self._cache.save(saves)
+        self._cache.save(saves, may_take_buffer=may_save)
 
     def get_finished(
         self, finished_req_ids: set[str]
@@ -530,6 +541,8 @@ class VineyardConnector(KVConnectorBase_V1):
         self, scheduler_output: SchedulerOutput
     ) -> KVConnectorMetadata:
         meta = VineyardConnectorMetadata()
+        if not self._lookups:
+            return meta  # the cache is off: nothing to load or save
         new_blocks: dict[str, tuple[list[int], bool]] = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             new_blocks[new_req.req_id] = (list(new_req.block_ids[0]), True)
@@ -543,8 +556,8 @@ class VineyardConnector(KVConnectorBase_V1):
         chunk = self.chunk_size
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None:
-                continue
+            if state is None or state.save_from == _NEVER:
+                continue  # not cacheable: the worker needs nothing
             request = state.request
             num_computed = request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))

@@ -985,13 +985,27 @@ class VineyardLLMCache:
 
     # ---- worker side: saves ------------------------------------------------
 
-    def save(self, requests: Sequence[SaveRequest]) -> bool:
+    def can_save(self) -> bool:
+        """Whether :meth:`save` would find a free buffer and a backend."""
+        return (
+            not self._closed
+            and self._pool is not None
+            and self._pool.num_free > 0
+            and self._writer is not None
+            and self._writer.disabled_reason is None
+        )
+
+    def save(
+        self, requests: Sequence[SaveRequest], may_take_buffer: bool = True
+    ) -> bool:
         """Stage the newly completed chunks of ``requests`` and submit them.
 
         Never waits for the backend when async update is on. With no free
         buffer the update is skipped (and counted); each request keeps its
         resume point, so the skipped chunks are saved by a later call while
-        the request's blocks are alive. Returns whether a task was submitted.
+        the request's blocks are alive. ``may_take_buffer=False`` skips
+        (tensor-parallel peers skip together). Returns whether a task was
+        submitted.
         """
         assert self._pool is not None and self._updater is not None
         assert self._writer is not None
@@ -1014,7 +1028,7 @@ class VineyardLLMCache:
                 pending.append((req.req_id, begin, finished, req))
         if not pending:
             return False
-        buffer_id = self._pool.get()
+        buffer_id = self._pool.get() if may_take_buffer else None
         if buffer_id is None:
             self.metrics.add("updates_skipped")
             return False
