@@ -776,6 +776,7 @@ class VineyardLLMCache:
         )
         self._kv_blocks: list[torch.Tensor] = []
         self._all_layers: torch.Tensor | None = None
+        self._pinned_read = False
         self._pool: _PinnedTensorPool | None = None
         self._updater: _AsyncUpdater | None = None
         self._writer: BackendProcess | None = None
@@ -809,8 +810,8 @@ class VineyardLLMCache:
                 min(config.min_inflight_tasks, num_buffers),
                 num_buffers,
             )
-            if self.device.type == "cuda":
-                _pin(self._read_memory.tensor[0])
+            if self.device.type == "cuda" and _pin(self._read_memory.tensor[0]):
+                self._pinned_read = True
             self._writer = BackendProcess(
                 "write",
                 spec(num_buffers),
@@ -965,12 +966,13 @@ class VineyardLLMCache:
                     for layer, kv in enumerate(self._kv_blocks):
                         src = read[layer, skip : skip + n].view(n, *kv.shape[1:])
                         kv.index_copy_(0, dst, src.to(self.device, non_blocking=True))
+                    if self.device.type == "cuda":
+                        # The next read overwrites the buffer these
+                        # asynchronous copies still read from.
+                        torch.cuda.current_stream().synchronize()
             loaded = max(loaded, seg_start + found)
             if seg_start + found < seg_end:
                 break
-        if self.device.type == "cuda":
-            # The read buffer is reused by the next load.
-            torch.cuda.current_stream().synchronize()
         self.metrics.add("loaded_tokens", loaded - start)
         if loaded < end:
             self.metrics.add("load_errors")
@@ -1118,6 +1120,8 @@ class VineyardLLMCache:
         if self._pool is not None:
             self._pool.close()
             self._write_memory.close()
+        if self._pinned_read:
+            _unpin(self._read_memory.tensor[0])
         self._read_memory.close()
 
     def __del__(self) -> None:
