@@ -189,3 +189,14 @@ def test_writer_dying_mid_write_fails_that_task_only(make_cache: CacheFactory):
     assert cache.lookup(lost, 0) == (0, 0)
     for tokens in kept:
         assert cache.lookup(tokens, 0) == (CACHED, CACHED)
+
+
+def test_writes_run_at_lower_priority_than_reads(small_cache: CacheHarness):
+    """The writer is background work; the reader serves the forward pass."""
+    cache = small_cache.cache
+    assert cache._writer is not None
+    reader_pid, writer_pid = cache._reader.pid, cache._writer.pid
+    assert reader_pid is not None and writer_pid is not None
+    reader_nice = os.getpriority(os.PRIO_PROCESS, reader_pid)
+    writer_nice = os.getpriority(os.PRIO_PROCESS, writer_pid)
+    assert writer_nice == min(19, reader_nice + 10)

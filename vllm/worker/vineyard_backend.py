@@ -175,6 +175,7 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--shm-fd", type=int, required=True)
     parser.add_argument("--spec", type=str, required=True)
     parser.add_argument("--parent-cpus", type=str, default="")
+    parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
 
     logging.basicConfig(
@@ -187,6 +188,8 @@ def _serve(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.parent_cpus:
         _widen_affinity([int(c) for c in args.parent_cpus.split(",")])
+    if args.nice:
+        os.nice(args.nice)
 
     spec = BackendSpec(**json.loads(args.spec))
     conn = Connection(args.conn_fd)
@@ -234,6 +237,7 @@ class BackendProcess:
         timeout_s: float,
         max_restarts: int = 3,
         startup_timeout_s: float = 60.0,
+        nice: int = 0,
     ):
         self.name = name
         self._spec = spec
@@ -241,6 +245,7 @@ class BackendProcess:
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
+        self._nice = nice
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -274,6 +279,8 @@ class BackendProcess:
             json.dumps(asdict(self._spec)),
             "--parent-cpus",
             parent_cpus,
+            "--nice",
+            str(self._nice),
         ]
         try:
             proc = subprocess.Popen(

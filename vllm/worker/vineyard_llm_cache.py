@@ -817,6 +817,9 @@ class VineyardLLMCache:
                 spec(num_buffers),
                 self._write_memory.fd,
                 config.backend_timeout_s,
+                # Writes are background work: when the backend shares a core
+                # with the forward pass (an unpinned engine), the pass wins.
+                nice=10,
             )
             self._updater = _AsyncUpdater(
                 self._write_to_backend,
