@@ -77,7 +77,9 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     model = make_toy_llama(str(tmp_path / "model"))
     first = _run_tp_engine(tmp_path, model)
     assert first["cached"] == 0
-    assert first["metrics"]["vllm:vineyard_cache_tokens_written"] > 0
+    # Writes finish in the background (reported with a later step, and
+    # drained at shutdown): the second engine's hits prove they landed.
+    assert first["metrics"]["vllm:vineyard_cache_updates_submitted"] > 0
     shards = sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "cache").iterdir())
     assert shards == ["tp2r0", "tp2r1"]
 

@@ -129,7 +129,9 @@ def test_serve_hits_across_restart(serve) -> None:
 
     first = start()
     answers = [first.complete(document + q) for q in questions]
-    assert first.metric("tokens_written") >= 1024
+    # Writes finish in the background and are drained at shutdown; the
+    # second server's hits prove they landed.
+    assert first.metric("updates_submitted") >= 1
     assert first.metric("updates_failed") == 0
     first.stop()
     assert first.proc.returncode is not None
