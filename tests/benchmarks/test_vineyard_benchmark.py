@@ -11,9 +11,7 @@ are in the docs)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,30 +20,15 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from script_testing import ROOT, clean_env, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK = ROOT / "benchmarks" / "benchmark_vineyard_llm_cache.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vineyard_benchmark", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def _clean_env() -> dict[str, str]:
-    """The caller's environment without settings that would change the run."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("VINEYARD_", "VLLM_USE_VINEYARD"))
-        and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "POD_NAME")
-    }
+    return load_script(BENCHMARK, "vineyard_benchmark")
 
 
 def test_help_lists_parts_and_outputs() -> None:
@@ -55,7 +38,7 @@ def test_help_lists_parts_and_outputs() -> None:
         text=True,
         timeout=120,
         check=True,
-        env=_clean_env(),
+        env=clean_env(),
     ).stdout
     for option in ("--part", "all", "engine", "--tiny", "--json", "--plot"):
         assert option in out
@@ -138,7 +121,7 @@ def test_tiny_run_writes_json_and_png(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=400,
-        env=_clean_env(),
+        env=clean_env(),
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -194,7 +177,7 @@ def test_tiny_run_writes_json_and_png(tmp_path: Path) -> None:
         text=True,
         timeout=120,
         check=True,
-        env=_clean_env(),
+        env=clean_env(),
     )
     assert again.read_bytes().startswith(PNG_MAGIC)
 

@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,29 +13,14 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from script_testing import ROOT, clean_env, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "offline_inference" / "vineyard_llm_cache.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vineyard_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def _clean_env() -> dict[str, str]:
-    """The caller's environment without settings that would change the run."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("VINEYARD_", "VLLM_USE_VINEYARD"))
-        and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "POD_NAME")
-    }
+    return load_script(EXAMPLE, "vineyard_example")
 
 
 def test_help_explains_every_option() -> None:
@@ -162,7 +145,7 @@ def test_quick_run_passes(tmp_path: Path) -> None:
             "--json",
             str(result_json),
         ],
-        env=_clean_env(),
+        env=clean_env(),
         cwd=tmp_path,
         capture_output=True,
         text=True,

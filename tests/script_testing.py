@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers of the tests that run the project's scripts (the demo and the
+benchmark) as a user would."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script by path (scripts are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def clean_env() -> dict[str, str]:
+    """The caller's environment without settings that would change the run."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VINEYARD_", "VLLM_USE_VINEYARD"))
+        and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "POD_NAME")
+    }
