@@ -3,12 +3,15 @@
 """The vineyard backend process and the engine-side handle that drives it.
 
 vineyard-llm holds the GIL for the whole of every call, so calling it from a
-thread of vLLM's process would stall the forward pass for the full write. Every
-vineyard call therefore runs in a process of its own, started with
+thread of vLLM's process would stall the forward pass for the full write.
+Every vineyard call therefore runs in a process of its own, started with
 ``subprocess`` (vLLM's workers are daemonic and may not use
 ``multiprocessing``). KV bytes live in shared memory (a ``memfd`` that both
-processes map); only small descriptors (buffer slot, token ids) cross the
-socket.
+processes map); only small descriptors (buffer slot, block ids) cross the
+socket. The backend also seals (write) and verifies (read) every entry
+(:mod:`vineyard_store`), and the writer sweeps the root
+(:mod:`vineyard_sweeper`), so none of that work runs on the engine's
+threads either.
 
 This file is also the backend's entry point: it is run as a script (by path,
 not with ``-m``) so that the backend never imports vLLM or torch and starts in
@@ -27,12 +30,20 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+if __package__:
+    from vllm.worker import vineyard_store as store
+    from vllm.worker import vineyard_sweeper as sweeper
+else:  # run as the backend's script: import the siblings, not vLLM
+    import vineyard_store as store  # type: ignore[no-redef]
+    import vineyard_sweeper as sweeper  # type: ignore[no-redef]
+
 logger = logging.getLogger(__name__)
+
+YEAR_S = 365 * 24 * 3600
 
 
 class BackendError(RuntimeError):
@@ -41,35 +52,29 @@ class BackendError(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """Everything the backend needs to open the cache and read the buffers.
+    """Everything a backend needs to open its namespace and map the buffers.
 
-    A buffer holds ``max_blocks`` KV blocks of every layer, laid out as
-    ``[num_layers][max_blocks][block_bytes]``. Vineyard addresses KV per token
-    and per layer, so each block is cut into ``block_size`` equal opaque
-    slices, each split into a "K" and a "V" half. The bytes are never
-    interpreted, which keeps any kernel-specific block packing intact.
+    A buffer holds ``max_blocks`` entries of ``entry_bytes`` (one KV block of
+    every layer, then its trailer). The writer (``sweep=True``) also keeps
+    the whole cache root (``cache_root``) within its budget.
     """
 
-    root: str
-    chunk_size: int
-    ttl_s: int
-    num_layers: int
-    block_size: int
-    block_bytes: int
+    root: str  # the namespace directory
+    blocks_per_chunk: int
+    entry_bytes: int
     max_blocks: int
     num_buffers: int
-
-    @property
-    def token_bytes(self) -> int:
-        return self.block_bytes // self.block_size
+    auth_key_file: str = ""
+    group_access: bool = False
+    sweep: bool = False
+    cache_root: str = ""
+    disk_limit_bytes: int = 0
+    ttl_s: float = 0.0
+    sweep_interval_s: float = 30.0
 
     @property
     def buffer_bytes(self) -> int:
-        return self.num_layers * self.max_blocks * self.block_bytes
-
-    @property
-    def buffer_tokens(self) -> int:
-        return self.max_blocks * self.block_size
+        return self.max_blocks * self.entry_bytes
 
 
 # --------------------------------------------------------------------------
@@ -77,81 +82,164 @@ class BackendSpec:
 # --------------------------------------------------------------------------
 
 
+def _write_error_reason(path: str, need_bytes: int) -> str:
+    """Why a write failed: vineyard swallows the errno, so ask the
+    filesystem what it most likely was."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"cache root unusable ({e})"
+    if st.f_bavail * st.f_frsize < need_bytes:
+        return "no space left on device (ENOSPC)"
+    if not os.access(path, os.W_OK):
+        return "cache root not writable"
+    return "write failed (I/O error or quota; vineyard does not report errno)"
+
+
 class _VineyardServer:
     def __init__(self, spec: BackendSpec, shm: mmap.mmap):
         import numpy as np
         from vineyard.llm import FileCacheConfig, KVCache, KVTensor
 
+        # Owner-only unless the operator shares the cache with a group.
+        os.umask(0o007 if spec.group_access else 0o077)
         self._spec = spec
-        self._kv_tensor = KVTensor
-        self._base = int(np.frombuffer(shm, dtype=np.uint8).ctypes.data)
         os.makedirs(spec.root, exist_ok=True)
+        self._entries = np.frombuffer(shm, np.uint8).reshape(
+            spec.num_buffers, spec.max_blocks, spec.entry_bytes
+        )
+        self._views = [
+            [memoryview(row) for row in buffer] for buffer in self._entries
+        ]  # fmt: skip
+        self._files = store.ChunkFiles(
+            spec.root, spec.blocks_per_chunk, spec.entry_bytes
+        )
+        self._sealer = store.Sealer(store.load_auth_key(spec.auth_key_file))
+        # Expiry and eviction are the sweeper's (by last use, across every
+        # process): vineyard's own TTL counts from the write and only for
+        # the process that wrote, so it is switched off.
         config = FileCacheConfig(
-            chunk_size=spec.chunk_size,
+            chunk_size=spec.blocks_per_chunk,
             root=spec.root,
-            gc_interval=max(1, min(spec.ttl_s, 1800)),
-            ttl=spec.ttl_s,
+            gc_interval=YEAR_S,
+            ttl=10 * YEAR_S,
         )
+        half = spec.entry_bytes // 2
         self._cache = KVCache(
-            config,
-            tensor_nbytes=spec.token_bytes // 2,
-            cache_capacity=spec.buffer_tokens,
-            layer=spec.num_layers,
+            config, tensor_nbytes=half, cache_capacity=spec.max_blocks, layer=1
         )
-        # Building KVTensor lists is slow (tens of ms per 512 tokens): build
-        # each buffer's list once and slice it per call.
-        self._kv_lists: dict[int, list[list[tuple[Any, Any]]]] = {}
-
-    def _kv_list(self, buffer_id: int) -> list[list[tuple[Any, Any]]]:
-        kv_list = self._kv_lists.get(buffer_id)
-        if kv_list is None:
-            spec = self._spec
-            half = spec.token_bytes // 2
-            kv_tensor = self._kv_tensor
-            buffer_base = self._base + buffer_id * spec.buffer_bytes
-            layer_stride = spec.max_blocks * spec.block_bytes
-            kv_list = []
-            for slot in range(spec.buffer_tokens):
-                offset = (slot // spec.block_size) * spec.block_bytes + (
-                    slot % spec.block_size
-                ) * spec.token_bytes
-                layers = []
-                for layer in range(spec.num_layers):
-                    ptr = buffer_base + layer * layer_stride + offset
-                    layers.append((kv_tensor(ptr, half), kv_tensor(ptr + half, half)))
-                kv_list.append(layers)
-            self._kv_lists[buffer_id] = kv_list
-        return kv_list
+        # One vineyard entry per block: K and V are the two halves of it.
+        # Building these lists is slow, so once per buffer.
+        base = int(self._entries.ctypes.data)
+        self._kv_lists = [
+            [
+                [(KVTensor(ptr, half), KVTensor(ptr + half, half))]
+                for ptr in range(
+                    base + b * spec.buffer_bytes,
+                    base + (b + 1) * spec.buffer_bytes,
+                    spec.entry_bytes,
+                )
+            ]
+            for b in range(spec.num_buffers)
+        ]
+        self._stats = dict.fromkeys(
+            ("bytes_read", "bytes_written", "corrupt_chunks", "write_errors"), 0
+        )
+        self._sweeper: Any = None
+        if spec.sweep:
+            self._sweeper = sweeper.RootSweeper(
+                spec.cache_root,
+                spec.disk_limit_bytes,
+                spec.ttl_s,
+                spec.sweep_interval_s,
+            )
+            self._sweeper.start()
 
     def update(
-        self, buffer_id: int, segments: list[tuple[int, list[int], list[int]]]
-    ) -> list[int]:
-        """Write segments ``(first_slot, prefix, tokens)``; returns the number
-        of tokens vineyard reports cached for each segment."""
-        kv_list = self._kv_list(buffer_id)
-        stored = []
-        for first_slot, prefix, tokens in segments:
-            kv = kv_list[first_slot : first_slot + len(tokens)]
-            stored.append(int(self._cache.update(prefix, tokens, kv)))
-        return stored
+        self,
+        buffer_id: int,
+        segments: list[tuple[int, list[int], list[int], list[bytes]]],
+    ) -> dict[str, Any]:
+        """Seal and write segments ``(first_slot, prefix ids, ids,
+        digests)``. Returns, per segment, the entries vineyard holds now and
+        the reason of a write error (None when the rest was only refused
+        for want of its prefix)."""
+        views = self._views[buffer_id]
+        kv_list = self._kv_lists[buffer_id]
+        bpc = self._spec.blocks_per_chunk
+        results: list[tuple[int, str | None]] = []
+        for first, prefix, ids, digests in segments:
+            for i, digest in enumerate(digests):
+                self._sealer.seal(views[first + i], digest)
+            stored = int(self._cache.update(prefix, ids, kv_list[first:][: len(ids)]))
+            error = None
+            if stored < len(ids) and (
+                not prefix or self._files.is_complete(prefix)
+            ):  # fmt: skip
+                failed = prefix + ids[: stored + bpc]
+                if not self._files.is_complete(failed):
+                    error = _write_error_reason(
+                        self._spec.root, self._files.file_bytes(len(failed))
+                    )
+                    self._stats["write_errors"] += 1
+            self._stats["bytes_written"] += stored * self._spec.entry_bytes
+            results.append((stored, error))
+        return {"stored": results, "stats": self.take_stats()}
 
-    def query(self, buffer_id: int, prefix: list[int], tokens: list[int]) -> int:
-        """Read the cached leading chunks of ``tokens`` into the buffer,
-        starting at slot 0; returns the number of tokens read."""
-        kv = self._kv_list(buffer_id)[: len(tokens)]
-        return int(self._cache.query(prefix, tokens, kv))
+    def query(
+        self, buffer_id: int, prefix: list[int], ids: list[int], digests: list[bytes]
+    ) -> dict[str, Any]:
+        """Read the cached leading chunks of ``ids`` (which follow
+        ``prefix``) into the buffer from slot 0 and verify every entry.
+        Returns the number of verified entries (whole chunks); a chunk that
+        fails verification, or that vineyard cannot read though it is on
+        disk, is deleted and counted."""
+        views = self._views[buffer_id]
+        bpc = self._spec.blocks_per_chunk
+        for view in views[: len(ids)]:
+            store.Sealer.clear(view)
+        found = int(self._cache.query(prefix, ids, self._kv_lists[buffer_id]))
+        found = min(found, len(ids)) // bpc * bpc
+        self._stats["bytes_read"] += found * self._spec.entry_bytes
+        verified = 0
+        while verified < found and self._sealer.verify(
+            views[verified], digests[verified]
+        ):
+            verified += 1
+        good = verified // bpc * bpc
+        bad_end = None
+        if good < found:  # failed verification
+            bad_end = good + bpc
+        elif found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc]):
+            bad_end = found + bpc  # on disk, complete, yet unreadable
+        if bad_end is not None:
+            self._files.remove(prefix + ids[:bad_end])
+            self._stats["corrupt_chunks"] += 1
+            logger.warning(
+                "vineyard cache chunk failed verification and was removed "
+                "(it will be recomputed and written again): %s",
+                self._files.path(prefix + ids[:bad_end]),
+            )
+        # A hit is a use: it keeps these chunks from eviction and expiry.
+        self._files.touch(prefix + ids, len(prefix) // bpc, good // bpc)
+        return {"verified": good, "stats": self.take_stats()}
+
+    def take_stats(self) -> dict[str, int]:
+        stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+        if self._sweeper is not None:
+            stats.update(self._sweeper.take_stats())
+        return stats
 
     def handle(self, request: tuple[Any, ...]) -> Any:
         op = request[0]
         if op == "update":
             return self.update(request[1], request[2])
         if op == "query":
-            return self.query(request[1], request[2], request[3])
+            return self.query(*request[1:])
+        if op == "stats":
+            return self.take_stats()
         if op == "ping":
             return os.getpid()
-        if op == "sleep":  # test hook: simulates a stalled backend
-            time.sleep(request[1])
-            return None
         raise ValueError(f"unknown backend request {op!r}")
 
 
@@ -223,10 +311,12 @@ def _serve(argv: list[str]) -> int:
 class BackendProcess:
     """Engine-side handle of one backend process.
 
-    ``call`` is thread-safe and never waits longer than ``timeout_s``. When
-    the process dies, answers garbage or stalls, it is killed and restarted on
-    the next call, up to ``max_restarts`` times; after that every call fails
-    at once with :class:`BackendError` and the cache degrades to recompute.
+    :meth:`call` is thread-safe and never waits longer than ``timeout_s``;
+    :meth:`send` and :meth:`receive` split it, so the caller can work while
+    the backend does (one request in flight at a time). When the process
+    dies, answers garbage or stalls, it is killed and restarted on the next
+    call, up to ``max_restarts`` times; after that every call fails at once
+    with :class:`BackendError` and the cache degrades to recompute.
     """
 
     def __init__(
@@ -249,6 +339,7 @@ class BackendProcess:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        self._in_flight: str | None = None  # the op sent and not yet received
         self.restarts = 0
         self.disabled_reason: str | None = None
         self._closed = False
@@ -327,6 +418,7 @@ class BackendProcess:
             logger.warning("vineyard backend pid %d did not exit", proc.pid)
 
     def _stop_locked(self) -> None:
+        self._in_flight = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -364,38 +456,48 @@ class BackendProcess:
         assert self._conn is not None
         return self._conn
 
-    def call(self, *request: Any, timeout_s: float | None = None) -> Any:
-        """Send one request and wait for its answer."""
-        timeout = self._timeout_s if timeout_s is None else timeout_s
+    def _fail_locked(self, error: Exception) -> BackendError:
+        code = self._proc.poll() if self._proc else None
+        self._stop_locked()
+        return BackendError(f"{self.name} backend died (exit code {code}): {error}")
+
+    def send(self, *request: Any) -> None:
+        """Send a request; :meth:`receive` gets its answer."""
         with self._lock:
+            assert self._in_flight is None, "one request at a time"
             conn = self._ensure_running_locked()
             try:
                 conn.send(request)
+            except (EOFError, OSError) as e:
+                raise self._fail_locked(e) from e
+            self._in_flight = request[0]
+
+    def receive(self, timeout_s: float | None = None) -> Any:
+        """The answer to the request sent last."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            op, conn = self._in_flight, self._conn
+            if op is None or conn is None:
+                raise BackendError(f"{self.name} backend lost the request")
+            try:
                 if not conn.poll(timeout):
-                    # The answer may still come later and would then be
-                    # read as the answer to the next request: restart.
+                    # A late answer would be read as the next request's.
                     self._stop_locked()
                     raise BackendError(
-                        f"{self.name} backend did not answer "
-                        f"{request[0]!r} within {timeout} s"
+                        f"{self.name} backend did not answer {op!r} within {timeout} s"
                     )
                 status, payload = conn.recv()
             except (EOFError, OSError) as e:
-                code = self._proc.poll() if self._proc else None
-                self._stop_locked()
-                raise BackendError(
-                    f"{self.name} backend died (exit code {code}): {e}"
-                ) from e
+                raise self._fail_locked(e) from e
+            self._in_flight = None
         if status != "ok":
             raise BackendError(f"{self.name} backend error: {payload}")
         return payload
 
-    def kill(self) -> None:
-        """Kill the process without closing the handle (for tests)."""
-        with self._lock:
-            if self._proc is not None:
-                self._proc.kill()
-                self._proc.wait()
+    def call(self, *request: Any, timeout_s: float | None = None) -> Any:
+        """Send one request and wait for its answer."""
+        self.send(*request)
+        return self.receive(timeout_s)
 
     def close(self) -> None:
         self._closed = True

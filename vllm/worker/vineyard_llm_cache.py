@@ -1,33 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A KV cache for vLLM in vineyard.
+"""The vineyard KV cache of one vLLM worker.
 
-After each forward pass the KV of newly completed chunks is copied into a
-staging buffer from :class:`_PinnedTensorPool` and written to vineyard by
-:class:`_AsyncUpdater`, strictly in issue order. A later request (on this or
-another instance) that starts with a cached prefix loads that KV instead of
-recomputing it. :class:`VineyardLLMCache` is what vLLM's KV connector calls.
+After each forward pass the KV of newly completed chunks is gathered into a
+staging buffer from :class:`_PinnedTensorPool` (one copy, on the forward
+thread) and written to vineyard by :class:`_AsyncUpdater`, strictly in issue
+order, because vineyard refuses a chunk whose prefix is not cached yet. When
+every buffer is in flight the update is skipped (and counted), never waited
+for. A later request that starts with a cached prefix loads that KV
+(:meth:`VineyardLLMCache.load`) instead of recomputing it.
 
-The vineyard calls themselves run in backend processes
-(:mod:`vllm.worker.vineyard_backend`): one for writes, one for reads, so the
-GIL that vineyard holds never stalls the engine, and a read never waits
-behind a write.
+The vineyard calls run in backend processes (:mod:`vineyard_backend`): one
+writer, one reader, so the GIL that vineyard holds never stalls the engine,
+and a read never waits behind a write. Buffers are shared memory; only block
+ids cross the process boundary.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
-import json
-import math
 import mmap
 import os
 import queue
-import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,369 +33,21 @@ import torch
 from vllm.logger import init_logger
 
 from vllm.worker.vineyard_backend import BackendError, BackendProcess, BackendSpec
-from vllm.worker.vineyard_plugin import BOOL_ALLOWED, parse_bool
+from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
+from vllm.worker.vineyard_lookup import KVCacheLayout
+from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard_store import synthetic_ids
 
 logger = init_logger(__name__)
 
-# --------------------------------------------------------------------------
-# Configuration: one table of environment variables, parsed once.
-# --------------------------------------------------------------------------
-
-
-def _number_parser(
-    kind: type, low: float | None, low_inclusive: bool, high: float | None
-) -> tuple[Callable[[str, str], Any], str]:
-    """A parser, and what it allows, for a number in [low, high] or (low, high]."""
-    opening = "[" if low_inclusive else "("
-    allowed = (
-        f"{'an integer' if kind is int else 'a number'} in "
-        f"{opening}{'-inf' if low is None else low}, "
-        f"{'inf' if high is None else high}]"
-    )
-
-    def parse(name: str, raw: str) -> Any:
-        try:
-            value = kind(raw.strip())
-        except ValueError:
-            raise ValueError(
-                f"{name}={raw!r} is not valid; allowed: {allowed}"
-            ) from None
-        if (
-            (isinstance(value, float) and not math.isfinite(value))
-            or (
-                low is not None
-                and (value < low or (value == low and not low_inclusive))
-            )
-            or (high is not None and value > high)
-        ):
-            raise ValueError(f"{name}={raw!r} is out of range; allowed: {allowed}")
-        return value
-
-    return parse, allowed
-
-
-def _parse_path(name: str, raw: str) -> str:
-    if not raw.strip():
-        raise ValueError(f"{name} is empty; allowed: a directory path")
-    return os.path.abspath(os.path.expanduser(raw.strip()))
-
-
-@dataclass(frozen=True)
-class EnvVar:
-    name: str
-    default: str
-    allowed: str
-    help: str
-    parse: Callable[[str, str], Any]
-
-
-def _env_var(
-    name: str,
-    default: str,
-    help: str,
-    parse: Callable[[str, str], Any],
-    allowed: str,
-) -> EnvVar:
-    return EnvVar(name, default, allowed, help, parse)
-
-
-_positive_int = _number_parser(int, 1, True, None)
-
-#: Every environment variable of the cache. The docs' table is checked
-#: against this one by a test.
-ENV_VARS: dict[str, EnvVar] = {
-    v.name: v
-    for v in [
-        _env_var(
-            "VLLM_USE_VINEYARD_CACHE",
-            "0",
-            "1 turns the vineyard cache on for `vllm serve` and "
-            "`LLM(...)` with no other flag.",
-            parse_bool,
-            BOOL_ALLOWED,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_CPU_MEM_LIMIT_GB",
-            "8",
-            "CPU memory budget (GiB) of the cache's staging buffers on each worker.",
-            *_number_parser(float, 0, False, None),
-        ),
-        _env_var(
-            "VINEYARD_CACHE_ENABLE_ASYNC_UPDATE",
-            "1",
-            "1: updates are written in the background; 0: the forward "
-            "thread waits for every write.",
-            parse_bool,
-            BOOL_ALLOWED,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_ASYNC_UPDATE_CPU_MEM_UTIL",
-            "0.5",
-            "Share of the memory limit given to the update buffer pool.",
-            *_number_parser(float, 0, True, 1),
-        ),
-        _env_var(
-            "VINEYARD_CACHE_MIN_INFLIGHT_TASKS",
-            "1",
-            "Fewest update buffers (allocated at startup).",
-            *_positive_int,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_MAX_INFLIGHT_TASKS",
-            "4",
-            "Most update buffers, i.e. updates in flight; when all are "
-            "busy an update is skipped (and resumed later).",
-            *_positive_int,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_METRICS_ENABLED",
-            "0",
-            "1: also collect timing histograms (counters are always on).",
-            parse_bool,
-            BOOL_ALLOWED,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_ROOT",
-            "/tmp/vineyard/llm_cache",
-            "Directory of the file backend (local disk, or a shared "
-            "filesystem for several instances).",
-            _parse_path,
-            "a directory path",
-        ),
-        _env_var(
-            "VINEYARD_CACHE_CHUNK_SIZE",
-            "256",
-            "Tokens per cached chunk.",
-            _positive_int[0],
-            "a positive multiple of vLLM's block size",
-        ),
-        _env_var(
-            "VINEYARD_CACHE_TTL_S",
-            "1800",
-            "Seconds after which a process deletes the chunks it wrote.",
-            *_positive_int,
-        ),
-        _env_var(
-            "VINEYARD_CACHE_BACKEND_TIMEOUT_S",
-            "30",
-            "Longest wait for one backend call before the backend is "
-            "restarted and the call counted as failed.",
-            *_number_parser(float, 0, False, None),
-        ),
-        _env_var(
-            "VINEYARD_CACHE_DRAIN_TIMEOUT_S",
-            "5",
-            "At shutdown, how long pending updates may still be "
-            "written before they are dropped.",
-            *_number_parser(float, 0, True, None),
-        ),
-    ]
-}
-
-
-@dataclass(frozen=True)
-class VineyardLLMCacheConfig:
-    """The parsed environment (see :data:`ENV_VARS`)."""
-
-    enabled: bool = False
-    cpu_mem_limit_gb: float = 8.0
-    enable_async_update: bool = True
-    async_update_cpu_mem_util: float = 0.5
-    min_inflight_tasks: int = 1
-    max_inflight_tasks: int = 4
-    metrics_enabled: bool = False
-    root: str = "/tmp/vineyard/llm_cache"
-    chunk_size: int = 256
-    ttl_s: int = 1800
-    backend_timeout_s: float = 30.0
-    drain_timeout_s: float = 5.0
-
-    @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None
-    ) -> VineyardLLMCacheConfig:
-        """Parse and validate the environment; raises ``ValueError`` naming
-        the variable, the value given and what is allowed."""
-        environ = os.environ if environ is None else environ
-        values = {
-            name: var.parse(name, environ.get(name, var.default))
-            for name, var in ENV_VARS.items()
-        }
-        config = cls(
-            enabled=values["VLLM_USE_VINEYARD_CACHE"],
-            cpu_mem_limit_gb=values["VINEYARD_CACHE_CPU_MEM_LIMIT_GB"],
-            enable_async_update=values["VINEYARD_CACHE_ENABLE_ASYNC_UPDATE"],
-            async_update_cpu_mem_util=values[
-                "VINEYARD_CACHE_ASYNC_UPDATE_CPU_MEM_UTIL"
-            ],
-            min_inflight_tasks=values["VINEYARD_CACHE_MIN_INFLIGHT_TASKS"],
-            max_inflight_tasks=values["VINEYARD_CACHE_MAX_INFLIGHT_TASKS"],
-            metrics_enabled=values["VINEYARD_CACHE_METRICS_ENABLED"],
-            root=values["VINEYARD_CACHE_ROOT"],
-            chunk_size=values["VINEYARD_CACHE_CHUNK_SIZE"],
-            ttl_s=values["VINEYARD_CACHE_TTL_S"],
-            backend_timeout_s=values["VINEYARD_CACHE_BACKEND_TIMEOUT_S"],
-            drain_timeout_s=values["VINEYARD_CACHE_DRAIN_TIMEOUT_S"],
-        )
-        if config.min_inflight_tasks > config.max_inflight_tasks:
-            raise ValueError(
-                "VINEYARD_CACHE_MIN_INFLIGHT_TASKS="
-                f"{config.min_inflight_tasks} is greater than "
-                "VINEYARD_CACHE_MAX_INFLIGHT_TASKS="
-                f"{config.max_inflight_tasks}; allowed: MIN <= MAX"
-            )
-        return config
-
-    def check_chunk_size(self, block_size: int) -> None:
-        if self.chunk_size % block_size != 0:
-            raise ValueError(
-                f"VINEYARD_CACHE_CHUNK_SIZE={self.chunk_size} is not a "
-                f"multiple of the KV block size {block_size}; allowed: a "
-                f"positive multiple of {block_size}"
-            )
-
-    def num_update_buffers(self, buffer_bytes: int) -> int:
-        """``floor(UTIL * LIMIT / buffer_bytes)`` clamped to [MIN, MAX];
-        raises when even MIN buffers do not fit the budget."""
-        budget = self.async_update_cpu_mem_util * self.cpu_mem_limit_gb * (1 << 30)
-        fits = int(budget // buffer_bytes)
-        if fits < self.min_inflight_tasks:
-            need_gb = self.min_inflight_tasks * buffer_bytes / (1 << 30)
-            raise ValueError(
-                "VINEYARD_CACHE_ASYNC_UPDATE_CPU_MEM_UTIL="
-                f"{self.async_update_cpu_mem_util} x "
-                f"VINEYARD_CACHE_CPU_MEM_LIMIT_GB={self.cpu_mem_limit_gb} "
-                f"gives {budget / (1 << 30):.3f} GiB, too small for "
-                f"VINEYARD_CACHE_MIN_INFLIGHT_TASKS="
-                f"{self.min_inflight_tasks} update buffer(s) of "
-                f"{buffer_bytes / (1 << 20):.1f} MiB each (one step of KV); "
-                f"allowed: UTIL x LIMIT >= {need_gb:.3f} GiB (or fewer "
-                "max_num_batched_tokens)"
-            )
-        return min(fits, self.max_inflight_tasks)
+#: Backends report the sweeper's figures with every write; when no write
+#: comes for this long, the updater asks for them.
+_STATS_POLL_S = 5.0
 
 
 # --------------------------------------------------------------------------
-# What the cached bytes depend on.
+# Staging memory and the pool.
 # --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """The shape of the KV that the cache stores, and its namespace.
-
-    Vineyard keys chunks by token ids alone, so everything that makes the
-    bytes of a block differ goes into the namespace: two models (or dtypes,
-    block sizes, kernel layouts, TP shards) sharing one root never see each
-    other's KV.
-    """
-
-    model: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    block_bytes: int  # one block of one layer
-    kv_layout: str  # attention backend and per-layer tensor shape
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    def __post_init__(self) -> None:
-        if self.block_bytes % (2 * self.block_size) != 0:
-            raise ValueError(
-                f"KV block of {self.block_bytes} bytes cannot be split into "
-                f"{self.block_size} token slices of K and V halves"
-            )
-
-    @property
-    def namespace(self) -> str:
-        ident = json.dumps(
-            {k: getattr(self, k) for k in sorted(self.__dataclass_fields__)},
-            sort_keys=True,
-        )
-        digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
-        name = re.sub(
-            r"[^A-Za-z0-9._-]+", "_", os.path.basename(self.model.rstrip("/"))
-        )[:48]
-        return f"{name}-{digest}-tp{self.tp_size}r{self.tp_rank}"
-
-
-# --------------------------------------------------------------------------
-# Metrics.
-# --------------------------------------------------------------------------
-
-COUNTERS = (
-    "query_tokens",  # tokens looked up beyond vLLM's local prefix hit
-    "hit_tokens",  # of those, tokens found in vineyard
-    "loaded_tokens",  # tokens copied from vineyard into KV blocks
-    "load_errors",  # loads that returned fewer tokens than promised
-    "updates_submitted",
-    "updates_completed",
-    "updates_skipped",  # no free buffer (max in-flight tasks reached)
-    "updates_failed",  # backend error, timeout or death
-    "updates_dropped",  # still queued when the drain timeout ran out
-    "tokens_written",
-    "tokens_rejected",  # vineyard refused (prefix not cached)
-    "backend_restarts",
-    "backend_start_failures",  # the cache could not start: it is off
-)
-HISTOGRAMS = (
-    "update_queue_delay_s",  # submit -> start of the write
-    "update_exec_s",  # the write in the backend
-    "save_caller_s",  # forward thread's time per save (copy + submit)
-    "load_s",  # forward thread's time per load
-)
-
-
-class VineyardCacheMetrics:
-    """Thread-safe counters (always) and timing observations (when enabled).
-
-    :meth:`take` returns what was recorded since the last call (the shape
-    vLLM's connector stats want); :attr:`totals` keeps the running counters.
-    """
-
-    def __init__(self, histograms_enabled: bool):
-        self.histograms_enabled = histograms_enabled
-        self._lock = threading.Lock()
-        self.totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._delta: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._observations: dict[str, list[float]] = {h: [] for h in HISTOGRAMS}
-
-    def add(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self.totals[name] += value
-            self._delta[name] += value
-
-    def observe(self, name: str, seconds: float) -> None:
-        if self.histograms_enabled:
-            with self._lock:
-                self._observations[name].append(seconds)
-
-    def take(self) -> dict[str, Any]:
-        with self._lock:
-            counters, self._delta = self._delta, dict.fromkeys(COUNTERS, 0)
-            observations = self._observations
-            self._observations = {h: [] for h in HISTOGRAMS}
-        return {**counters, **observations}
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.totals)
-
-
-# --------------------------------------------------------------------------
-# The staging buffers and the ordered updater.
-# --------------------------------------------------------------------------
-
-
-def _shared_memory(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
-    """Anonymous shared memory that a child process can map through the fd.
-    Pages are only backed once touched, so unused buffers cost nothing, and
-    everything is freed when the last process closes it, crash or not."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.ftruncate(fd, nbytes)
-    return fd, mmap.mmap(fd, nbytes)
 
 
 def _pin(tensor: torch.Tensor) -> bool:
@@ -407,8 +57,8 @@ def _pin(tensor: torch.Tensor) -> bool:
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
     if int(err) != 0:
         logger.warning(
-            "cudaHostRegister failed (%s); copies into the "
-            "vineyard staging buffer will be synchronous",
+            "cudaHostRegister failed (%s); copies into the vineyard staging "
+            "buffer will be synchronous",
             err,
         )
         return False
@@ -420,26 +70,24 @@ def _unpin(tensor: torch.Tensor) -> None:
 
 
 class _StagingMemory:
-    """``count`` buffers of ``[num_layers, max_blocks, block_elems]`` in
-    shared memory, viewed as one torch tensor (the backend maps the same
-    fd)."""
+    """``count`` buffers of ``[max_blocks, entry]`` in shared memory (a
+    ``memfd`` the backend maps too), viewed as one tensor. An entry is one
+    KV block of every layer, then a trailer the backend fills in. Pages are
+    backed only once touched, and freed when the last process closes them,
+    crash or not."""
 
     def __init__(
-        self,
-        count: int,
-        num_layers: int,
-        max_blocks: int,
-        block_bytes: int,
-        dtype: torch.dtype,
-        name: str,
+        self, count: int, max_blocks: int, entry_bytes: int, dtype: torch.dtype
     ):
         element = torch.empty((), dtype=dtype).element_size()
-        self.buffer_bytes = num_layers * max_blocks * block_bytes
-        self.fd, self._mmap = _shared_memory(count * self.buffer_bytes, name)
+        self.buffer_bytes = max_blocks * entry_bytes
+        self.fd = os.memfd_create("vineyard-cache", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, count * self.buffer_bytes)
+        self._mmap = mmap.mmap(self.fd, count * self.buffer_bytes)
         flat = torch.frombuffer(
             self._mmap, dtype=dtype, count=count * self.buffer_bytes // element
         )
-        self.tensor = flat.view(count, num_layers, max_blocks, block_bytes // element)
+        self.tensor = flat.view(count, max_blocks, entry_bytes // element)
 
     def close(self) -> None:
         del self.tensor
@@ -514,15 +162,41 @@ class _PinnedTensorPool:
         self._pinned.clear()
 
 
+# --------------------------------------------------------------------------
+# The ordered updater.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Segment:
+    """Consecutive chunks of one request, staged in one buffer."""
+
+    first_slot: int  # the entry slot of its first block in the buffer
+    prefix_ids: list[int]  # vineyard ids of the request's earlier blocks
+    ids: list[int]  # vineyard ids of its blocks
+    digests: list[bytes]  # their chained digests (sealed into trailers)
+    req_id: str
+    first_token: int  # to rewind the request if the write fails
+
+    def request(self) -> tuple[int, list[int], list[int], list[bytes]]:
+        return (self.first_slot, self.prefix_ids, self.ids, self.digests)
+
+
+@dataclass
+class UpdateResult:
+    """What became of one task's segments."""
+
+    blocks_written: int
+    blocks_rejected: int  # refused for want of their prefix
+    write_error: str | None = None  # the filesystem failed a write
+
+
 @dataclass
 class _UpdateTask:
     """One step's completed chunks, staged in one pool buffer."""
 
     buffer_id: int
-    # (first token slot in the buffer, prefix token ids, chunk token ids)
-    segments: list[tuple[int, list[int], list[int]]]
-    # (request id, first token) of each segment, to rewind on failure
-    origins: list[tuple[str, int]] = field(default_factory=list)
+    segments: list[_Segment]
     copy_done: torch.cuda.Event | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
@@ -538,20 +212,26 @@ class _AsyncUpdater:
 
     def __init__(
         self,
-        write: Callable[[int, list[Any]], list[int]],
+        write: Callable[[_UpdateTask], UpdateResult],
         pool: _PinnedTensorPool,
         metrics: VineyardCacheMetrics,
+        block_size: int,
         drain_timeout_s: float,
         on_failed: Callable[[_UpdateTask], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
     ):
         self._write = write
         self._on_failed = on_failed
+        self._on_idle = on_idle
         self._pool = pool
         self._metrics = metrics
+        self._block_size = block_size
         self._drain_timeout_s = drain_timeout_s
+        self._deadline = 0.0
         self._queue: queue.SimpleQueue[_UpdateTask | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._closed = False
+        self._logged_write_error = 0.0
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-updater", daemon=True
         )
@@ -571,6 +251,20 @@ class _AsyncUpdater:
         self._pool.put(task.buffer_id)
         task.done.set()
 
+    def _fail(self, task: _UpdateTask, why: str) -> None:
+        # Rate-limited: a failing disk fails every write.
+        if time.monotonic() - self._logged_write_error > 60.0:
+            self._logged_write_error = time.monotonic()
+            logger.warning(
+                "vineyard cache update failed (%d segment(s) not saved; "
+                "they are retried while their requests run): %s",
+                len(task.segments),
+                why,
+            )
+        if self._on_failed is not None:
+            self._on_failed(task)
+        self._finish(task, "failed")
+
     def _execute(self, task: _UpdateTask) -> None:
         self._metrics.observe(
             "update_queue_delay_s", time.perf_counter() - task.submitted_at
@@ -579,29 +273,28 @@ class _AsyncUpdater:
             if task.copy_done is not None:
                 task.copy_done.synchronize()
             start = time.perf_counter()
-            stored = self._write(task.buffer_id, task.segments)
+            result = self._write(task)
             self._metrics.observe("update_exec_s", time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - the engine must go on
-            logger.warning(
-                "vineyard cache update failed, %d chunk segment(s) not saved: %s",
-                len(task.segments),
-                e,
-            )
-            if self._on_failed is not None:
-                self._on_failed(task)
-            self._finish(task, "failed")
+            self._fail(task, str(e))
             return
-        lengths = [len(tokens) for _, _, tokens in task.segments]
-        written = sum(min(n, k) for n, k in zip(stored, lengths, strict=True))
-        submitted = sum(lengths)
-        self._metrics.add("tokens_written", written)
-        if written < submitted:
-            self._metrics.add("tokens_rejected", submitted - written)
-        self._finish(task, "completed")
+        bs = self._block_size
+        self._metrics.add("tokens_written", result.blocks_written * bs)
+        self._metrics.add("tokens_rejected", result.blocks_rejected * bs)
+        if result.write_error is not None:
+            self._fail(task, result.write_error)
+        else:
+            self._finish(task, "completed")
 
     def _run(self) -> None:
         while True:
-            task = self._queue.get()
+            try:
+                task = self._queue.get(timeout=_STATS_POLL_S)
+            except queue.Empty:
+                if self._on_idle is not None and not self._stopping.is_set():
+                    with contextlib.suppress(Exception):
+                        self._on_idle()
+                continue
             if task is None:
                 return
             if self._stopping.is_set() and time.monotonic() > self._deadline:
@@ -623,8 +316,8 @@ class _AsyncUpdater:
         self._thread.join(self._drain_timeout_s + 1.0)
         if self._thread.is_alive():
             logger.warning(
-                "vineyard cache updater still busy after the "
-                "drain timeout; abandoning its pending updates"
+                "vineyard cache updater still busy after the drain timeout; "
+                "abandoning its pending updates"
             )
 
     def join(self, timeout_s: float) -> bool:
@@ -633,19 +326,8 @@ class _AsyncUpdater:
 
 
 # --------------------------------------------------------------------------
-# The cache.
+# KV tensors as the cache sees them.
 # --------------------------------------------------------------------------
-
-
-@dataclass
-class SaveRequest:
-    """One running request as the connector sees it after a forward pass."""
-
-    req_id: str
-    token_ids: Sequence[int]  # all tokens known so far (prompt + output)
-    num_computed_tokens: int  # tokens whose KV is in blocks after this step
-    block_ids: Sequence[int]  # the request's KV blocks, in order
-    save_from: int = 0  # first token not known to be in vineyard
 
 
 def _block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -662,14 +344,14 @@ def _block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def _layers_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """All layers' blocks as one ``[num_layers, num_blocks, block_elems]``
+    """All layers' blocks as one ``[num_blocks, num_layers, block_elems]``
     view, when the layers lie equally spaced in one allocation (as vLLM's CPU
     worker allocates them); else ``None``.
 
-    One gather over this view is one parallel region instead of one per
-    layer: with more OpenMP threads than idle cores (the backend writing on
-    a shared core, say), every region can wait a scheduler time slice for a
-    descheduled thread, which made a per-layer staging copy 5-20x slower."""
+    With it a save is one gather of whole blocks of every layer straight
+    into the staging entries, and a load one scatter back: one parallel
+    region instead of one per layer (with more OpenMP threads than idle
+    cores every region can wait a time slice for a descheduled thread)."""
     flats = []
     for kv in layers:
         try:
@@ -681,7 +363,7 @@ def _layers_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
         flats.append(flat)
     first = flats[0]
     if len(flats) == 1:
-        return first.unsqueeze(0)
+        return first.unsqueeze(1)
     step, rest = divmod(flats[1].data_ptr() - first.data_ptr(), first.element_size())
     span = (first.shape[0] - 1) * first.stride(0) + first.shape[1]
     if rest or step < span:  # out of order, misaligned or overlapping
@@ -697,22 +379,37 @@ def _layers_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
         ):
             return None
     try:
-        return first.as_strided(
-            (len(flats), *first.shape),
-            (step, *first.stride()),
-            first.storage_offset(),
+        layers_first = first.as_strided(
+            (len(flats), *first.shape), (step, *first.stride()), first.storage_offset()
         )
     except RuntimeError:
         return None
+    return layers_first.transpose(0, 1)
+
+
+@dataclass
+class SaveRequest:
+    """One running request as the connector sees it after a forward pass."""
+
+    req_id: str
+    block_digests: Sequence[bytes]  # chained digests of its complete blocks
+    num_computed_tokens: int  # tokens whose KV is in blocks after this step
+    block_ids: Sequence[int]  # the request's KV blocks, in order
+    save_from: int = 0  # first token not known to be in vineyard
+
+
+# --------------------------------------------------------------------------
+# The cache.
+# --------------------------------------------------------------------------
 
 
 class VineyardLLMCache:
-    """The vineyard KV cache of one vLLM worker (or of the scheduler, for
-    :meth:`lookup` only: pass ``kv_caches=None``).
+    """The vineyard KV cache of one vLLM worker (TP rank).
 
     Chunks of ``chunk_size`` tokens are the unit of caching; a chunk is saved
     once its KV is fully computed, and usable only if all chunks before it are
-    cached. Blocks are moved as opaque bytes.
+    cached. Blocks move as opaque bytes, one vineyard entry per block of all
+    layers (see :mod:`vineyard_store`).
     """
 
     def __init__(
@@ -720,281 +417,266 @@ class VineyardLLMCache:
         config: VineyardLLMCacheConfig,
         layout: KVCacheLayout,
         max_num_batched_tokens: int,
-        kv_caches: Sequence[torch.Tensor] | None = None,
-        num_blocks: int | None = None,
+        kv_caches: Sequence[torch.Tensor],
+        num_blocks: int,
     ):
         config.check_chunk_size(layout.block_size)
+        if len(kv_caches) != layout.num_layers:
+            raise ValueError(
+                f"got {len(kv_caches)} KV cache tensors for {layout.num_layers} layers"
+            )
         self.config = config
         self.layout = layout
-        self.chunk_size = config.chunk_size
+        self.chunk_size = layout.chunk_size
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
-        self.root = os.path.join(config.root, layout.namespace)
+        self.files = layout.files(config.root)
+        bs = layout.block_size
         # One buffer holds one step's tokens, rounded up to whole chunks.
-        self.max_blocks = (
-            -(-max_num_batched_tokens // self.chunk_size)
-            * self.chunk_size
-            // layout.block_size
+        self.max_blocks = -(-max_num_batched_tokens // self.chunk_size) * (
+            layout.blocks_per_chunk
         )
-        dtype = kv_caches[0].dtype if kv_caches else torch.uint8
-        element = torch.empty((), dtype=dtype).element_size()
-        if layout.block_bytes % element:
-            raise ValueError(
-                f"block of {layout.block_bytes} bytes is not a "
-                f"whole number of {dtype} elements"
-            )
-        buffer_bytes = layout.num_layers * self.max_blocks * layout.block_bytes
-        num_buffers = config.num_update_buffers(buffer_bytes) if kv_caches else 0
-
-        def spec(count: int) -> BackendSpec:
-            return BackendSpec(
-                root=self.root,
-                chunk_size=self.chunk_size,
-                ttl_s=config.ttl_s,
-                num_layers=layout.num_layers,
-                block_size=layout.block_size,
-                block_bytes=layout.block_bytes,
-                max_blocks=self.max_blocks,
-                num_buffers=count,
-            )
+        self._kv_blocks = [_block_view(kv, num_blocks) for kv in kv_caches]
+        for kv in self._kv_blocks:
+            got = kv[0].numel() * kv.element_size()
+            if got != layout.block_bytes:
+                raise ValueError(
+                    f"KV block of {got} bytes, expected {layout.block_bytes}"
+                )
+        self.device = kv_caches[0].device
+        dtype = kv_caches[0].dtype
+        element = kv_caches[0].element_size()
+        self._block_elems = layout.block_bytes // element
+        self._payload_elems = layout.payload_bytes // element
+        self._all_layers = (
+            _layers_view(self._kv_blocks) if self.device.type == "cpu" else None
+        )
+        buffer_bytes = self.max_blocks * layout.entry_bytes
+        num_buffers = config.num_update_buffers(buffer_bytes)
 
         self._resume: dict[str, int] = {}
         # (request id, first token) of segments whose write failed: their
         # requests resume from there (filled by the updater thread).
         self._failed_origins: collections.deque[tuple[str, int]] = collections.deque()
         self._closed = False
-        # Reads: one buffer, used by lookups and loads.
+
+        def spec(count: int, writer: bool) -> BackendSpec:
+            return BackendSpec(
+                root=self.files.root,
+                blocks_per_chunk=layout.blocks_per_chunk,
+                entry_bytes=layout.entry_bytes,
+                max_blocks=self.max_blocks,
+                num_buffers=count,
+                auth_key_file=config.auth_key_file,
+                group_access=config.group_access,
+                sweep=writer,
+                cache_root=config.root,
+                disk_limit_bytes=int(config.disk_limit_gb * GiB),
+                ttl_s=config.ttl_s,
+                sweep_interval_s=config.sweep_interval_s,
+            )
+
+        # Reads: two buffers, so the read of one segment overlaps the copy
+        # of the one before.
         self._read_memory = _StagingMemory(
-            1,
-            layout.num_layers,
-            self.max_blocks,
-            layout.block_bytes,
-            dtype,
-            "vineyard-cache-read",
+            2, self.max_blocks, layout.entry_bytes, dtype
         )
-        self._reader = BackendProcess(
-            "read", spec(1), self._read_memory.fd, config.backend_timeout_s
+        self._read_pinned = self.device.type == "cuda" and all(
+            [_pin(self._read_memory.tensor[i]) for i in range(2)]
         )
-        self._kv_blocks: list[torch.Tensor] = []
-        self._all_layers: torch.Tensor | None = None
-        self._pinned_read = False
-        self._pool: _PinnedTensorPool | None = None
-        self._updater: _AsyncUpdater | None = None
+        self._write_memory = _StagingMemory(
+            num_buffers, self.max_blocks, layout.entry_bytes, dtype
+        )
+        self._pool = _PinnedTensorPool(
+            self._write_memory, min(config.min_inflight_tasks, num_buffers), num_buffers
+        )
+        self._read_events: list[torch.cuda.Event | None] = [None, None]
+        self._reader: BackendProcess | None = None
         self._writer: BackendProcess | None = None
-        if kv_caches is not None:
-            if len(kv_caches) != layout.num_layers:
-                raise ValueError(
-                    f"got {len(kv_caches)} KV cache tensors for "
-                    f"{layout.num_layers} layers"
-                )
-            assert num_blocks is not None, "num_blocks is needed with kv"
-            self._kv_blocks = [_block_view(kv, num_blocks) for kv in kv_caches]
-            for kv in self._kv_blocks:
-                got = kv[0].numel() * kv.element_size()
-                if got != layout.block_bytes:
-                    raise ValueError(
-                        f"KV block of {got} bytes, expected {layout.block_bytes}"
-                    )
-            self.device = kv_caches[0].device
-            if self.device.type == "cpu":
-                self._all_layers = _layers_view(self._kv_blocks)
-            self._write_memory = _StagingMemory(
-                num_buffers,
-                layout.num_layers,
-                self.max_blocks,
-                layout.block_bytes,
-                dtype,
-                "vineyard-cache-write",
+        self._updater: _AsyncUpdater | None = None
+        try:
+            self._reader = BackendProcess(
+                "read", spec(2, False), self._read_memory.fd, config.backend_timeout_s
             )
-            self._pool = _PinnedTensorPool(
-                self._write_memory,
-                min(config.min_inflight_tasks, num_buffers),
-                num_buffers,
-            )
-            if self.device.type == "cuda" and _pin(self._read_memory.tensor[0]):
-                self._pinned_read = True
             self._writer = BackendProcess(
                 "write",
-                spec(num_buffers),
+                spec(num_buffers, True),
                 self._write_memory.fd,
                 config.backend_timeout_s,
                 # Writes are background work: when the backend shares a core
                 # with the forward pass (an unpinned engine), the pass wins.
                 nice=10,
             )
-            self._updater = _AsyncUpdater(
-                self._write_to_backend,
-                self._pool,
-                self.metrics,
-                config.drain_timeout_s,
-                on_failed=lambda task: self._failed_origins.extend(task.origins),
-            )
-        if kv_caches is None:
-            logger.info("vineyard cache lookups at %s", self.root)
-        else:
-            logger.info(
-                "vineyard cache on at %s (chunk %d tokens, %s updates, %d "
-                "update buffer(s) of %.1f MiB)",
-                self.root,
-                self.chunk_size,
-                "async" if config.enable_async_update else "sync",
-                num_buffers,
-                buffer_bytes / (1 << 20),
-            )
+        except BackendError:
+            self.close()
+            raise
+        self._updater = _AsyncUpdater(
+            self._write_to_backend,
+            self._pool,
+            self.metrics,
+            bs,
+            config.drain_timeout_s,
+            on_failed=self._rewind,
+            on_idle=self._poll_writer_stats,
+        )
+        logger.info(
+            "vineyard cache on at %s (chunk %d tokens, %s updates, %d update "
+            "buffer(s) of %.1f MiB, %s)",
+            self.files.root,
+            self.chunk_size,
+            "async" if config.enable_async_update else "sync",
+            num_buffers,
+            buffer_bytes / (1 << 20),
+            "authenticated" if config.auth_key_file else "checksummed",
+        )
 
     # ---- backend calls -----------------------------------------------------
 
-    def _write_to_backend(self, buffer_id: int, segments: list[Any]) -> list[int]:
+    def _send(self, backend: BackendProcess, *request: Any) -> None:
+        restarts = backend.restarts
+        try:
+            backend.send(*request)
+        finally:
+            if backend.restarts != restarts:
+                self.metrics.add("backend_restarts", backend.restarts - restarts)
+
+    def _receive(self, backend: BackendProcess) -> Any:
+        reply = backend.receive()
+        if isinstance(reply, dict):
+            self.metrics.record(reply.pop("stats", {}))
+        return reply
+
+    def _write_to_backend(self, task: _UpdateTask) -> UpdateResult:
         assert self._writer is not None
-        restarts = self._writer.restarts
-        try:
-            return self._writer.call("update", buffer_id, segments)
-        finally:
-            self._count_restarts(self._writer, restarts)
+        segments = [s.request() for s in task.segments]
+        self._send(self._writer, "update", task.buffer_id, segments)
+        stored_per_segment = self._receive(self._writer)["stored"]
+        result = UpdateResult(0, 0)
+        for segment, (stored, error) in zip(
+            task.segments, stored_per_segment, strict=True
+        ):
+            stored = min(stored, len(segment.ids))
+            result.blocks_written += stored
+            if error is not None:
+                result.write_error = error
+            else:
+                result.blocks_rejected += len(segment.ids) - stored
+        return result
 
-    def _query(
-        self, prefix: Sequence[int], tokens: Sequence[int], count_error: bool = True
-    ) -> int | None:
-        """Read the cached leading chunks of ``tokens`` (which follow
-        ``prefix``) into the read buffer; returns tokens read, None on error
-        (counted in ``load_errors`` unless the caller counts it)."""
-        restarts = self._reader.restarts
-        try:
-            return self._reader.call("query", 0, list(prefix), list(tokens))
-        except BackendError as e:
-            logger.warning("vineyard cache read failed, recomputing: %s", e)
-            if count_error:
-                self.metrics.add("load_errors")
-            return None
-        finally:
-            self._count_restarts(self._reader, restarts)
+    def _poll_writer_stats(self) -> None:
+        if self._writer is not None and self._writer.disabled_reason is None:
+            self.metrics.record(self._writer.call("stats"))
 
-    def _count_restarts(self, backend: BackendProcess, before: int) -> None:
-        if backend.restarts != before:
-            self.metrics.add("backend_restarts", backend.restarts - before)
+    def _rewind(self, task: _UpdateTask) -> None:
+        self._failed_origins.extend((s.req_id, s.first_token) for s in task.segments)
 
-    def _segments(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Split ``[start, end)`` into pieces that fit the read buffer."""
-        step = self.max_blocks * self.layout.block_size
-        return [(s, min(s + step, end)) for s in range(start, end, step)]
-
-    # ---- scheduler side ----------------------------------------------------
-
-    def lookup(
-        self, token_ids: Sequence[int], num_local_tokens: int
-    ) -> tuple[int, int]:
-        """How many tokens beyond vLLM's local prefix hit are cached.
-
-        Returns ``(num_hit_tokens, save_from)``: ``num_hit_tokens`` counts
-        whole chunks after ``num_local_tokens`` (at least one token is always
-        left to compute); ``save_from`` is the first token that is not known
-        to be in vineyard, where the request's saves should start.
-
-        Vineyard cannot tell whether a chunk exists without reading it, so
-        this reads single chunks, not the prefix: the last one, then a binary
-        search. Chunks are written in order, so a cached chunk implies that
-        its prefix was cached; if expiry has since removed an earlier one,
-        the worker's load comes up short and vLLM recomputes from there.
-        """
-        chunk = self.chunk_size
-        start = num_local_tokens // chunk * chunk
-        limit = (len(token_ids) - 1) // chunk * chunk
-
-        def cached(end: int) -> bool:  # is the chunk ending at ``end`` cached?
-            first = end - chunk
-            found = self._query(token_ids[:first], token_ids[first:end])
-            if found is None:
-                raise BackendError("read failed")
-            return found == chunk
-
-        try:
-            # The local hit's last whole chunk can only be in vineyard if all
-            # before it are; if it is not, save the request from the start.
-            if start > 0 and not cached(start):
-                return 0, 0
-            if limit <= start:
-                return 0, start
-            self.metrics.add("query_tokens", limit - num_local_tokens)
-            # Find the last cached chunk end in (start, limit]: ``low`` is
-            # known cached (or the local hit), ``high + chunk`` known missing.
-            low, high = start, limit
-            if not cached(high):
-                high -= chunk
-                while low < high:
-                    mid = (low + high) // 2 // chunk * chunk + chunk
-                    if cached(mid):
-                        low = mid
-                    else:
-                        high = mid - chunk
-        except BackendError:
-            return 0, 0  # backend trouble: recompute (counted by _query)
-        hit_end = high
-        num_hit = max(0, hit_end - num_local_tokens)
-        self.metrics.add("hit_tokens", num_hit)
-        return num_hit, hit_end
-
-    # ---- worker side: loads ------------------------------------------------
+    # ---- loads -------------------------------------------------------------
 
     def load(
-        self, token_ids: Sequence[int], start: int, end: int, block_ids: Sequence[int]
+        self,
+        digests: Sequence[bytes],
+        start: int,
+        end: int,
+        block_ids: Sequence[int],
     ) -> int:
         """Copy the cached KV of tokens ``[start, end)`` into the request's
-        blocks (``block_ids`` covers the whole request from token 0).
+        blocks (``digests`` and ``block_ids`` cover the request from token 0).
 
-        ``start`` and ``end`` are block-aligned; vineyard reads from the
-        chunk boundary at or before ``start``, but blocks before ``start``
-        (vLLM's own prefix-cache hit, maybe shared with running requests)
-        are never written. Returns the end of what was loaded; less than
-        ``end`` means the rest must be recomputed."""
+        ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks
+        from the chunk boundary at or before ``start``, but blocks before
+        ``start`` (vLLM's own prefix-cache hit, maybe shared with running
+        requests) are never written. The reader verifies every entry before
+        it is copied. Returns the end of what was loaded; less than ``end``
+        means the rest must be recomputed.
+
+        Segments of one buffer each are read in turn; the read of segment
+        ``k + 1`` runs in the reader process while segment ``k`` is copied
+        into the KV blocks here.
+        """
         bs = self.layout.block_size
         assert start % bs == 0 and end % bs == 0
+        assert self._reader is not None
+        reader = self._reader
         t0 = time.perf_counter()
-        read = self._read_memory.tensor[0]
-        loaded = start
-        read_from = start // self.chunk_size * self.chunk_size
-        for seg_start, seg_end in self._segments(read_from, end):
-            # A read error shows as a short load, counted once below.
-            found = self._query(
-                token_ids[:seg_start], token_ids[seg_start:seg_end], count_error=False
-            )
-            found = min(found or 0, seg_end - seg_start) // bs * bs
-            # Blocks of this segment to write: those at or after ``start``.
-            skip = max(0, start - seg_start) // bs
-            n = found // bs - skip
-            if n > 0:
-                first = seg_start // bs + skip
-                dst = torch.tensor(block_ids[first : first + n], device=self.device)
-                if self._all_layers is not None:
-                    self._all_layers.index_copy_(1, dst, read[:, skip : skip + n])
-                else:
-                    for layer, kv in enumerate(self._kv_blocks):
-                        src = read[layer, skip : skip + n].view(n, *kv.shape[1:])
-                        kv.index_copy_(0, dst, src.to(self.device, non_blocking=True))
-                    if self.device.type == "cuda":
-                        # The next read overwrites the buffer these
-                        # asynchronous copies still read from.
-                        torch.cuda.current_stream().synchronize()
-            loaded = max(loaded, seg_start + found)
-            if seg_start + found < seg_end:
-                break
-        self.metrics.add("loaded_tokens", loaded - start)
-        if loaded < end:
+        first, last = start // self.chunk_size * self.layout.blocks_per_chunk, end // bs
+        ids = synthetic_ids(digests[:last])
+        segments = [
+            (b, min(b + self.max_blocks, last))
+            for b in range(first, last, self.max_blocks)
+        ]
+
+        def query(k: int) -> None:
+            s, e = segments[k]
+            event = self._read_events[k % 2]
+            if event is not None:
+                event.synchronize()  # the buffer's last copy is done
+            self._send(reader, "query", k % 2, ids[:s], ids[s:e], list(digests[s:e]))
+
+        loaded = start // bs
+        in_flight = False
+        try:
+            query(0)
+            in_flight = True
+            for k, (s, e) in enumerate(segments):
+                verified = self._receive(reader)["verified"]
+                in_flight = False
+                if s + verified == e and k + 1 < len(segments):
+                    query(k + 1)
+                    in_flight = True
+                skip = max(0, loaded - s)
+                if verified > skip:
+                    self._copy_in(
+                        k % 2, skip, verified, block_ids[s + skip : s + verified]
+                    )
+                    loaded = s + verified
+                if s + verified < e:
+                    break
+        except BackendError as e:
+            logger.warning("vineyard cache read failed, recomputing: %s", e)
+        finally:
+            if in_flight:  # an error between a send and its answer
+                with contextlib.suppress(BackendError):
+                    reader.receive()
+        loaded_tokens = loaded * bs
+        self.metrics.add("loaded_tokens", max(0, loaded_tokens - start))
+        if loaded_tokens < end:
             self.metrics.add("load_errors")
             logger.warning(
                 "vineyard cache returned %d of %d promised tokens; the rest "
                 "is recomputed",
-                loaded - start,
+                max(0, loaded_tokens - start),
                 end - start,
             )
         self.metrics.observe("load_s", time.perf_counter() - t0)
-        return loaded
+        return loaded_tokens
 
-    # ---- worker side: saves ------------------------------------------------
+    def _copy_in(
+        self, buffer: int, first: int, end: int, block_ids: Sequence[int]
+    ) -> None:
+        """Copy entries ``[first, end)`` of a read buffer into KV blocks."""
+        n = end - first
+        src = self._read_memory.tensor[buffer, first:end, : self._payload_elems]
+        dst = torch.tensor(block_ids, device=self.device)
+        if self._all_layers is not None:
+            self._all_layers.index_copy_(0, dst, src.view(n, -1, self._block_elems))
+            return
+        e = self._block_elems
+        for layer, kv in enumerate(self._kv_blocks):
+            part = src[:, layer * e : (layer + 1) * e].to(
+                self.device, non_blocking=True
+            )
+            kv.index_copy_(0, dst, part.reshape(n, *kv.shape[1:]))
+        if self.device.type == "cuda":
+            # The buffer's next read must wait for these async copies.
+            event = torch.cuda.Event()
+            event.record()
+            self._read_events[buffer] = event
+
+    # ---- saves -------------------------------------------------------------
 
     def can_save(self) -> bool:
         """Whether :meth:`save` would find a free buffer and a backend."""
         return (
             not self._closed
-            and self._pool is not None
             and self._pool.num_free > 0
             and self._writer is not None
             and self._writer.disabled_reason is None
@@ -1012,25 +694,23 @@ class VineyardLLMCache:
         (tensor-parallel peers skip together). Returns whether a task was
         submitted.
         """
-        assert self._pool is not None and self._updater is not None
-        assert self._writer is not None
-        if self._closed or self._writer.disabled_reason is not None:
+        if self._closed or self._writer is None or self._writer.disabled_reason:
             return False  # no backend: staging copies would be wasted
         t0 = time.perf_counter()
-        bs = self.layout.block_size
-        chunk = self.chunk_size
+        bs, chunk = self.layout.block_size, self.chunk_size
         while self._failed_origins:
             # Later chunks of these requests were refused for want of their
             # prefix: write again from the failed segment on.
             req_id, begin = self._failed_origins.popleft()
             if req_id in self._resume:
                 self._resume[req_id] = min(self._resume[req_id], begin)
-        pending: list[tuple[str, int, int, SaveRequest]] = []
+        pending: list[tuple[int, int, SaveRequest]] = []
         for req in requests:
             begin = self._resume.setdefault(req.req_id, req.save_from)
-            finished = min(req.num_computed_tokens, len(req.token_ids)) // chunk * chunk
+            computed = min(req.num_computed_tokens, len(req.block_digests) * bs)
+            finished = computed // chunk * chunk
             if finished > begin:
-                pending.append((req.req_id, begin, finished, req))
+                pending.append((begin, finished, req))
         if not pending:
             return False
         buffer_id = self._pool.get() if may_take_buffer else None
@@ -1038,48 +718,49 @@ class VineyardLLMCache:
             self.metrics.add("updates_skipped")
             return False
 
-        segments: list[tuple[int, list[int], list[int]]] = []
-        origins: list[tuple[str, int]] = []
+        segments: list[_Segment] = []
         src_blocks: list[int] = []
-        free_blocks = self.max_blocks
-        for req_id, begin, finished, req in pending:
-            end = min(finished, begin + free_blocks * bs // chunk * chunk)
+        for begin, finished, req in pending:
+            free = self.max_blocks - len(src_blocks)
+            end = min(finished, begin + free // self.layout.blocks_per_chunk * chunk)
             if end <= begin:
                 break  # buffer full; the rest resumes next step
+            b0, b1 = begin // bs, end // bs
+            ids = synthetic_ids(req.block_digests[:b1])
             segments.append(
-                (
-                    len(src_blocks) * bs,
-                    list(req.token_ids[:begin]),
-                    list(req.token_ids[begin:end]),
+                _Segment(
+                    len(src_blocks),
+                    ids[:b0],
+                    ids[b0:],
+                    list(req.block_digests[b0:b1]),
+                    req.req_id,
+                    begin,
                 )
             )
-            origins.append((req_id, begin))
-            src_blocks.extend(req.block_ids[begin // bs : end // bs])
-            free_blocks -= (end - begin) // bs
-            self._resume[req_id] = end
+            src_blocks.extend(req.block_ids[b0:b1])
+            self._resume[req.req_id] = end
 
         n = len(src_blocks)
-        staging = self._pool.buffer(buffer_id)
+        staging = self._pool.buffer(buffer_id)[:n, : self._payload_elems]
         index = torch.tensor(src_blocks, device=self.device)
         if self._all_layers is not None:
-            # One gather for all layers, straight into the staging buffer.
-            torch.index_select(self._all_layers, 1, index, out=staging[:, :n])
+            # One gather of whole blocks of every layer, straight into the
+            # staging entries.
+            out = staging.view(n, -1, self._block_elems)
+            torch.index_select(self._all_layers, 0, index, out=out)
         else:
+            e = self._block_elems
             for layer, kv in enumerate(self._kv_blocks):
-                out = staging[layer, :n]
-                if self.device.type == "cpu":
-                    torch.index_select(kv.reshape(kv.shape[0], -1), 0, index, out=out)
-                else:
-                    out.copy_(
-                        kv.index_select(0, index).reshape(n, -1), non_blocking=True
-                    )
-        # Created after the copy: its queue delay starts at the submit.
-        task = _UpdateTask(buffer_id, segments, origins)
+                staging[:, layer * e : (layer + 1) * e].copy_(
+                    kv.index_select(0, index).reshape(n, -1), non_blocking=True
+                )
+        task = _UpdateTask(buffer_id, segments)
         if self.device.type == "cuda":
             # The copy runs on the compute stream, so the next forward pass
             # cannot overwrite these blocks before it is done.
             task.copy_done = torch.cuda.Event()
             task.copy_done.record()
+        assert self._updater is not None
         self._updater.submit(task)
         self.metrics.observe("save_caller_s", time.perf_counter() - t0)
         if not self.config.enable_async_update:
@@ -1094,18 +775,14 @@ class VineyardLLMCache:
     # ---- lifecycle ---------------------------------------------------------
 
     @property
-    def pool(self) -> _PinnedTensorPool | None:
+    def pool(self) -> _PinnedTensorPool:
         return self._pool
 
-    def wait_for_updates(self, timeout_s: float) -> bool:
-        """Block until every submitted update is done (for tests, tools and
-        benchmarks); True if the pool is idle again in time."""
-        deadline = time.monotonic() + timeout_s
-        while self._pool is not None and self._pool.num_in_flight:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+    def backend_pids(self) -> dict[str, int | None]:
+        return {
+            "read": self._reader.pid if self._reader else None,
+            "write": self._writer.pid if self._writer else None,
+        }
 
     def close(self) -> None:
         """Drain pending updates within the drain timeout, then stop the
@@ -1119,12 +796,13 @@ class VineyardLLMCache:
             self._writer.close()
         if self._updater is not None and not self._updater.join(5.0):
             logger.warning("vineyard cache updater thread did not stop")
-        self._reader.close()
-        if self._pool is not None:
-            self._pool.close()
-            self._write_memory.close()
-        if self._pinned_read:
-            _unpin(self._read_memory.tensor[0])
+        if self._reader is not None:
+            self._reader.close()
+        self._pool.close()
+        self._write_memory.close()
+        if self._read_pinned:
+            for i in range(2):
+                _unpin(self._read_memory.tensor[i])
         self._read_memory.close()
 
     def __del__(self) -> None:

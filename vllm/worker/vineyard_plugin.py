@@ -8,30 +8,10 @@ imported until an engine asks for the connector) and, when
 one, so ``vllm serve MODEL`` and ``LLM(model=...)`` need no other flag.
 """
 
-import os
+from vllm.worker.vineyard_config import vineyard_cache_requested
 
 CONNECTOR_NAME = "VineyardConnector"
 CONNECTOR_MODULE = "vllm.worker.vineyard_connector"
-ENABLE_VAR = "VLLM_USE_VINEYARD_CACHE"
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-BOOL_ALLOWED = "1 or 0 (also true/false, yes/no, on/off)"
-
-
-def parse_bool(name: str, raw: str) -> bool:
-    """Parse a boolean environment variable; the error names it."""
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean; allowed: {BOOL_ALLOWED}")
-
-
-def vineyard_cache_requested() -> bool:
-    return parse_bool(ENABLE_VAR, os.environ.get(ENABLE_VAR, "0"))
 
 
 def default_kv_transfer_config():

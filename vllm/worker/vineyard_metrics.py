@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Metrics of the vineyard cache: names and help text (written once), the
+thread-safe recorder, and vLLM's connector stats and Prometheus classes, so
+they appear on ``/metrics``, in ``LLM.get_metrics()`` and in the periodic
+log line as ``vllm:vineyard_cache_*``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+METRIC_PREFIX = "vllm:vineyard_cache_"
+
+#: Counters: summed across steps and ranks.
+COUNTERS: dict[str, str] = {
+    "query_tokens": "Tokens looked up in vineyard beyond the local prefix cache.",
+    "hit_tokens": "Looked-up tokens found in vineyard.",
+    "loaded_tokens": "Tokens whose KV was loaded from vineyard (verified).",
+    "load_errors": "Loads that failed or returned less than the lookup promised.",
+    "corrupt_chunks": "Chunks that failed verification (or could not be read) "
+    "and were removed.",
+    "bytes_read": "KV bytes read from vineyard (loads only; lookups read none).",
+    "bytes_written": "KV bytes written to vineyard.",
+    "updates_submitted": "Updates handed to the background writer.",
+    "updates_completed": "Updates written without a write error.",
+    "updates_skipped": "Updates skipped because every buffer was in flight.",
+    "updates_failed": "Updates with a write error, backend error, timeout or death.",
+    "updates_dropped": "Updates dropped at shutdown after the drain timeout.",
+    "tokens_written": "Tokens whose KV was written to vineyard.",
+    "tokens_rejected": "Tokens vineyard refused because their prefix was not "
+    "cached (evicted or skipped).",
+    "write_errors": "Chunk writes the filesystem failed (e.g. disk full, I/O error).",
+    "evicted_chunks": "Chunks evicted (least recently used) to keep the root "
+    "within its budget.",
+    "expired_chunks": "Chunks expired after the TTL since their last use.",
+    "orphans_removed": "Temporary files and empty directories left by writers "
+    "that died, removed.",
+    "backend_restarts": "Restarts of a vineyard backend process.",
+    "backend_start_failures": "Caches that could not start (the cache is off).",
+}
+#: Gauges: the latest sample wins.
+GAUGES: dict[str, str] = {
+    "root_bytes": "Bytes of chunks under the cache root (sampled by the sweep).",
+    "root_chunks": "Chunk files under the cache root (sampled by the sweep).",
+}
+#: Timing histograms (seconds), when VINEYARD_CACHE_METRICS_ENABLED=1.
+HISTOGRAMS: dict[str, str] = {
+    "update_queue_delay_s": "Time from an update's submit to the start of its write.",
+    "update_exec_s": "Time the backend takes to write one update.",
+    "save_caller_s": "Forward thread's time per save (copy and submit).",
+    "load_s": "Forward thread's time per load.",
+}
+_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5]
+_BUCKETS += [1.0, 2.5, 5.0, 10.0]
+
+
+class VineyardCacheMetrics:
+    """Thread-safe counters and gauges (always) and timing observations
+    (when enabled). :meth:`take` returns what was recorded since the last
+    call (the shape vLLM's connector stats want); :attr:`totals` keeps the
+    running counters."""
+
+    def __init__(self, histograms_enabled: bool):
+        self.histograms_enabled = histograms_enabled
+        self._lock = threading.Lock()
+        self.totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._delta: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._gauges: dict[str, int] = {}
+        self._observations: dict[str, list[float]] = {h: [] for h in HISTOGRAMS}
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self.totals[name] += value
+            self._delta[name] += value
+
+    def record(self, stats: dict[str, int]) -> None:
+        """Counters and gauges reported by a backend."""
+        with self._lock:
+            for name, value in stats.items():
+                if name in GAUGES:
+                    self._gauges[name] = value
+                elif value:
+                    self.totals[name] += value
+                    self._delta[name] += value
+
+    def observe(self, name: str, seconds: float) -> None:
+        if self.histograms_enabled:
+            with self._lock:
+                self._observations[name].append(seconds)
+
+    def take(self) -> dict[str, Any]:
+        with self._lock:
+            counters, self._delta = self._delta, dict.fromkeys(COUNTERS, 0)
+            gauges, self._gauges = self._gauges, {}
+            observations = self._observations
+            self._observations = {h: [] for h in HISTOGRAMS}
+        return {**counters, **gauges, **observations}
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.totals)
+
+
+@dataclass
+class VineyardConnectorStats(KVConnectorStats):
+    """Counters (summed), gauges (summed across ranks: each rank's writer
+    sweeps the same root, so the largest is kept) and timings
+    (concatenated)."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+        for name in HISTOGRAMS:
+            self.data.setdefault(name, [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in COUNTERS:
+            self.data[name] += other.data.get(name, 0)
+        for name in GAUGES:
+            if name in other.data:
+                self.data[name] = max(self.data.get(name, 0), other.data[name])
+        for name in HISTOGRAMS:
+            self.data[name] = self.data[name] + list(other.data.get(name, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            name: self.data[name] for name in COUNTERS if self.data[name]
+        }
+        if self.data["query_tokens"]:
+            out["hit_rate"] = round(
+                self.data["hit_tokens"] / self.data["query_tokens"], 3
+            )
+        for name in GAUGES:
+            if name in self.data:
+                out[name] = self.data[name]
+        for name in HISTOGRAMS:
+            values = self.data[name]
+            if values:
+                out[f"{name}_avg_ms"] = round(1000 * sum(values) / len(values), 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in [*COUNTERS, *HISTOGRAMS]) and (
+            not any(name in self.data for name in GAUGES)
+        )
+
+
+def histogram_metric_name(name: str) -> str:
+    return f"{METRIC_PREFIX}{name.removesuffix('_s')}_seconds"
+
+
+class VineyardPromMetrics(KVConnectorPromMetrics):
+    """``vllm:vineyard_cache_*`` counters, gauges and histograms on
+    ``/metrics``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {
+                idx: metric.labels(*values)
+                for idx, values in per_engine_labelvalues.items()
+            }
+
+        self._counters = {
+            name: per_engine(
+                self._counter_cls(
+                    name=METRIC_PREFIX + name, documentation=doc, labelnames=labelnames
+                )
+            )
+            for name, doc in COUNTERS.items()
+        }
+        gauge_cls: Any = self._gauge_cls
+        self._gauges = {
+            name: per_engine(
+                gauge_cls(
+                    name=METRIC_PREFIX + name,
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                )
+            )
+            for name, doc in GAUGES.items()
+        }
+        histogram_cls: Any = self._histogram_cls
+        self._histograms = {
+            name: per_engine(
+                histogram_cls(
+                    name=histogram_metric_name(name),
+                    documentation=doc,
+                    buckets=_BUCKETS,
+                    labelnames=labelnames,
+                )
+            )
+            for name, doc in HISTOGRAMS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, counters in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counters[engine_idx].inc(value)
+        for name, gauges in self._gauges.items():
+            if name in transfer_stats_data:
+                gauges[engine_idx].set(transfer_stats_data[name])
+        for name, histograms in self._histograms.items():
+            for value in transfer_stats_data.get(name, []):
+                histograms[engine_idx].observe(value)

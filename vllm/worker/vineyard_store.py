@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How the cache lays KV out in vineyard's file store, and how every stored
+byte is proved before it is used.
+
+- **Entries.** One vineyard entry per vLLM KV block, all layers together:
+  vineyard's cost is per entry, so a block of ``L`` layers is one entry, not
+  ``block_size * L``. An entry is the block's bytes (opaque: kernels pack
+  blocks their own way) followed by a :data:`TRAILER_BYTES` trailer.
+- **Ids.** Vineyard keys entries by int32 ids. A block's id is a slice of a
+  chained 128-bit digest of the real token ids up to and including that
+  block (and of the request's ``cache_salt``), see :func:`extend_digests`.
+- **Proof.** The trailer holds the block's full digest and a checksum of the
+  block's bytes and digest (xxh3-128), or with a key a MAC (keyed BLAKE3).
+  A load verifies every entry before the KV is used, so a synthetic-id
+  collision, bit rot, a truncated file, a stale buffer or a planted file is
+  a miss, never wrong KV.
+- **Paths.** Vineyard stores chunk ``i`` of a sequence at ``root`` + the
+  MurmurHash3 (x86, 32 bit, seed 0) of all ids up to the end of the chunk,
+  as 8 hex digits in folders of 2. Lookups ``stat`` those paths and read no
+  KV at all.
+
+This module imports neither vLLM nor torch: the backend processes (run as
+scripts) and the scheduler both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mmh3
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 2
+TRAILER_BYTES = 64
+_MAGIC = b"VYKV" + bytes([FORMAT_VERSION])
+_DIGEST_BYTES = 16
+_MAC_BYTES = 32
+# Trailer: magic(5) keyed(1) pad(2) | digest(16) | checksum or MAC(32) | pad(8)
+_DIGEST_AT = 8
+_MAC_AT = _DIGEST_AT + _DIGEST_BYTES
+
+
+def root_digest(salt: str | None) -> bytes:
+    """The chain's starting state: requests with different salts share no
+    block (vLLM's own prefix cache isolates salts the same way)."""
+    seed = b"vineyard-llm-cache/%d/" % FORMAT_VERSION
+    if salt is not None:
+        seed += b"salt:" + salt.encode()
+    return hashlib.blake2b(seed, digest_size=_DIGEST_BYTES).digest()
+
+
+def extend_digests(
+    digests: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+) -> list[bytes]:
+    """Append the digests of the complete blocks of ``token_ids`` that
+    ``digests`` does not have yet; returns ``digests``.
+
+    ``digest[b] = blake2b(digest[b - 1] || int64 ids of block b)``, 128 bits
+    of chain state, so a digest names the whole token prefix."""
+    done, end = len(digests), len(token_ids) // block_size
+    if end <= done:
+        return digests
+    ids = np.asarray(token_ids[done * block_size : end * block_size], np.int64)
+    blocks = ids.reshape(end - done, block_size)
+    prev = digests[-1] if digests else root_digest(salt)
+    for block in blocks:
+        prev = hashlib.blake2b(
+            prev + block.tobytes(), digest_size=_DIGEST_BYTES
+        ).digest()
+        digests.append(prev)
+    return digests
+
+
+def synthetic_id(digest: bytes) -> int:
+    """The vineyard id (a positive int32) of a block."""
+    return (int.from_bytes(digest[:4], "little") & 0x7FFFFFFF) or 1
+
+
+def synthetic_ids(digests: Sequence[bytes]) -> list[int]:
+    return [synthetic_id(d) for d in digests]
+
+
+# --------------------------------------------------------------------------
+# Trailers: seal on write, verify on read.
+# --------------------------------------------------------------------------
+
+
+def load_auth_key(path: str) -> bytes | None:
+    """The 32-byte MAC key derived from the secret in ``path`` (None for no
+    path); raises ``ValueError`` naming the setting if it cannot be used."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read()
+    except OSError as e:
+        raise ValueError(
+            f"VINEYARD_CACHE_AUTH_KEY_FILE={path!r} cannot be read ({e}); "
+            "allowed: a readable file holding a secret of at least 16 bytes"
+        ) from None
+    secret = secret.strip()
+    if len(secret) < 16:
+        raise ValueError(
+            f"VINEYARD_CACHE_AUTH_KEY_FILE={path!r} holds {len(secret)} bytes; "
+            "allowed: a secret of at least 16 bytes"
+        )
+    return hashlib.blake2b(secret, digest_size=32, person=b"vineyard-kv").digest()
+
+
+def key_id(key: bytes | None) -> str:
+    """A public name of the key (for namespaces): instances with different
+    keys keep apart instead of deleting each other's chunks."""
+    if key is None:
+        return "nokey"
+    return hashlib.blake2b(key, digest_size=6, person=b"vineyard-id").hexdigest()
+
+
+class Sealer:
+    """Writes and checks entry trailers (with a MAC when there is a key)."""
+
+    def __init__(self, key: bytes | None):
+        self._key = key
+        self._flag = 1 if key is not None else 0
+        if key is not None:
+            import blake3  # only needed with a key
+
+            self._blake3: Any = blake3.blake3
+
+    def _mac(self, payload: memoryview, digest: bytes) -> bytes:
+        if self._key is None:
+            h = xxhash.xxh3_128(payload)
+            h.update(digest)
+            return h.digest().ljust(_MAC_BYTES, b"\0")
+        h = self._blake3(key=self._key)
+        h.update(payload)
+        h.update(digest)
+        return h.digest()
+
+    def seal(self, entry: memoryview, digest: bytes) -> None:
+        """Write the trailer of one entry (payload, then trailer)."""
+        payload_end = len(entry) - TRAILER_BYTES
+        mac = self._mac(entry[:payload_end], digest)
+        trailer = _MAGIC + bytes([self._flag, 0, 0]) + digest + mac
+        entry[payload_end : payload_end + len(trailer)] = trailer
+
+    def verify(self, entry: memoryview, digest: bytes) -> bool:
+        """Whether the entry is a sealed block with this digest, intact."""
+        payload_end = len(entry) - TRAILER_BYTES
+        trailer = bytes(entry[payload_end:])
+        if trailer[: len(_MAGIC) + 1] != _MAGIC + bytes([self._flag]):
+            return False
+        if trailer[_DIGEST_AT:_MAC_AT] != digest:
+            return False
+        return trailer[_MAC_AT : _MAC_AT + _MAC_BYTES] == self._mac(
+            entry[:payload_end], digest
+        )
+
+    @staticmethod
+    def clear(entry: memoryview) -> None:
+        """Void an entry's trailer, so bytes a read leaves stale never pass."""
+        entry[len(entry) - TRAILER_BYTES :] = bytes(TRAILER_BYTES)
+
+
+# --------------------------------------------------------------------------
+# Chunk files.
+# --------------------------------------------------------------------------
+
+
+class ChunkFiles:
+    """The chunk files of one namespace directory, as vineyard names them.
+
+    ``blocks_per_chunk`` entries of ``entry_bytes`` make one chunk file:
+    an int32 count ``n``, the ``n`` ids of the prefix up to the chunk's end,
+    then the chunk's entries (K and V halves each)."""
+
+    def __init__(self, root: str, blocks_per_chunk: int, entry_bytes: int):
+        self.root = root
+        self.blocks_per_chunk = blocks_per_chunk
+        self.entry_bytes = entry_bytes
+
+    def path(self, ids: Sequence[int]) -> str:
+        """The file of the chunk that ends at the end of ``ids``."""
+        h = mmh3.hash(np.asarray(ids, np.int32).tobytes(), 0, signed=False)
+        name = f"{h:08x}"
+        return os.path.join(self.root, name[0:2], name[2:4], name[4:6], name[6:8])
+
+    def file_bytes(self, num_ids: int) -> int:
+        return 4 + 4 * num_ids + self.blocks_per_chunk * self.entry_bytes
+
+    def is_complete(self, ids: Sequence[int]) -> bool:
+        """Whether the chunk ending at ``ids`` is on disk at its full size
+        (vineyard publishes a chunk by renaming over an empty placeholder)."""
+        try:
+            return os.stat(self.path(ids)).st_size == self.file_bytes(len(ids))
+        except OSError:
+            return False
+
+    def count_complete(self, ids: Sequence[int], max_chunks: int) -> int:
+        """How many leading chunks of ``ids`` are on disk, by ``stat`` only
+        (no KV is read): one metadata call per chunk, stopping at the first
+        missing one."""
+        bpc = self.blocks_per_chunk
+        n = 0
+        while n < max_chunks and self.is_complete(ids[: (n + 1) * bpc]):
+            n += 1
+        return n
+
+    def touch(self, ids: Sequence[int], first_chunk: int, num_chunks: int) -> None:
+        """Mark chunks as used now (their mtime is their last use)."""
+        bpc = self.blocks_per_chunk
+        for c in range(first_chunk, first_chunk + num_chunks):
+            # A chunk evicted meanwhile has nothing to keep.
+            with contextlib.suppress(OSError):
+                os.utime(self.path(ids[: (c + 1) * bpc]))
+
+    def remove(self, ids: Sequence[int]) -> bool:
+        """Delete the chunk ending at ``ids`` (so a later write can replace
+        it: vineyard never overwrites an existing chunk file)."""
+        try:
+            os.unlink(self.path(ids))
+            return True
+        except FileNotFoundError:
+            return False
