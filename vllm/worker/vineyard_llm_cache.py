@@ -595,6 +595,8 @@ class VineyardLLMCache:
         bs = self.layout.block_size
         assert start % bs == 0 and end % bs == 0
         assert self._reader is not None
+        if end <= start:
+            return start  # nothing to load
         reader = self._reader
         t0 = time.perf_counter()
         first, last = start // self.chunk_size * self.layout.blocks_per_chunk, end // bs
