@@ -34,6 +34,7 @@ from vllm.logger import init_logger
 
 from vllm.worker.vineyard_backend import BackendError, BackendProcess, BackendSpec
 from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
+from vllm.worker.vineyard_kv_copy import KVBlockCopier
 from vllm.worker.vineyard_lookup import KVCacheLayout
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
 from vllm.worker.vineyard_store import synthetic_ids
@@ -325,68 +326,6 @@ class _AsyncUpdater:
         return not self._thread.is_alive()
 
 
-# --------------------------------------------------------------------------
-# KV tensors as the cache sees them.
-# --------------------------------------------------------------------------
-
-
-def _block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """View a layer's KV tensor block-major: ``[num_blocks, ...]``."""
-    if kv.shape[0] == num_blocks:
-        return kv
-    if kv.dim() > 1 and kv.shape[1] == num_blocks:
-        # e.g. FlashAttention's [2, num_blocks, block_size, heads, head_size]
-        return kv.transpose(0, 1)
-    raise ValueError(
-        f"cannot find the block dimension ({num_blocks}) in a "
-        f"KV cache tensor of shape {tuple(kv.shape)}"
-    )
-
-
-def _layers_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """All layers' blocks as one ``[num_blocks, num_layers, block_elems]``
-    view, when the layers lie equally spaced in one allocation (as vLLM's CPU
-    worker allocates them); else ``None``.
-
-    With it a save is one gather of whole blocks of every layer straight
-    into the staging entries, and a load one scatter back: one parallel
-    region instead of one per layer (with more OpenMP threads than idle
-    cores every region can wait a time slice for a descheduled thread)."""
-    flats = []
-    for kv in layers:
-        try:
-            flat = kv.view(kv.shape[0], -1)
-        except RuntimeError:
-            return None  # blocks not contiguous inside
-        if flat.stride(1) != 1:
-            return None
-        flats.append(flat)
-    first = flats[0]
-    if len(flats) == 1:
-        return first.unsqueeze(1)
-    step, rest = divmod(flats[1].data_ptr() - first.data_ptr(), first.element_size())
-    span = (first.shape[0] - 1) * first.stride(0) + first.shape[1]
-    if rest or step < span:  # out of order, misaligned or overlapping
-        return None
-    storage = first.untyped_storage().data_ptr()
-    for i, flat in enumerate(flats):
-        if (
-            flat.shape != first.shape
-            or flat.stride() != first.stride()
-            or flat.dtype != first.dtype
-            or flat.untyped_storage().data_ptr() != storage
-            or flat.data_ptr() != first.data_ptr() + i * step * first.element_size()
-        ):
-            return None
-    try:
-        layers_first = first.as_strided(
-            (len(flats), *first.shape), (step, *first.stride()), first.storage_offset()
-        )
-    except RuntimeError:
-        return None
-    return layers_first.transpose(0, 1)
-
-
 @dataclass
 class SaveRequest:
     """One running request as the connector sees it after a forward pass."""
@@ -435,21 +374,9 @@ class VineyardLLMCache:
         self.max_blocks = -(-max_num_batched_tokens // self.chunk_size) * (
             layout.blocks_per_chunk
         )
-        self._kv_blocks = [_block_view(kv, num_blocks) for kv in kv_caches]
-        for kv in self._kv_blocks:
-            got = kv[0].numel() * kv.element_size()
-            if got != layout.block_bytes:
-                raise ValueError(
-                    f"KV block of {got} bytes, expected {layout.block_bytes}"
-                )
-        self.device = kv_caches[0].device
+        self._kv = KVBlockCopier(kv_caches, num_blocks, layout.block_bytes)
+        self.device = self._kv.device
         dtype = kv_caches[0].dtype
-        element = kv_caches[0].element_size()
-        self._block_elems = layout.block_bytes // element
-        self._payload_elems = layout.payload_bytes // element
-        self._all_layers = (
-            _layers_view(self._kv_blocks) if self.device.type == "cpu" else None
-        )
         buffer_bytes = self.max_blocks * layout.entry_bytes
         num_buffers = config.num_update_buffers(buffer_bytes)
 
@@ -655,23 +582,9 @@ class VineyardLLMCache:
         self, buffer: int, first: int, end: int, block_ids: Sequence[int]
     ) -> None:
         """Copy entries ``[first, end)`` of a read buffer into KV blocks."""
-        n = end - first
-        src = self._read_memory.tensor[buffer, first:end, : self._payload_elems]
-        dst = torch.tensor(block_ids, device=self.device)
-        if self._all_layers is not None:
-            self._all_layers.index_copy_(0, dst, src.view(n, -1, self._block_elems))
-            return
-        e = self._block_elems
-        for layer, kv in enumerate(self._kv_blocks):
-            part = src[:, layer * e : (layer + 1) * e].to(
-                self.device, non_blocking=True
-            )
-            kv.index_copy_(0, dst, part.reshape(n, *kv.shape[1:]))
-        if self.device.type == "cuda":
-            # The buffer's next read must wait for these async copies.
-            event = torch.cuda.Event()
-            event.record()
-            self._read_events[buffer] = event
+        event = self._kv.scatter(self._read_memory.tensor[buffer, first:end], block_ids)
+        if event is not None:
+            self._read_events[buffer] = event  # the buffer's next read waits
 
     # ---- saves -------------------------------------------------------------
 
@@ -742,26 +655,10 @@ class VineyardLLMCache:
             src_blocks.extend(req.block_ids[b0:b1])
             self._resume[req.req_id] = end
 
-        n = len(src_blocks)
-        staging = self._pool.buffer(buffer_id)[:n, : self._payload_elems]
-        index = torch.tensor(src_blocks, device=self.device)
-        if self._all_layers is not None:
-            # One gather of whole blocks of every layer, straight into the
-            # staging entries.
-            out = staging.view(n, -1, self._block_elems)
-            torch.index_select(self._all_layers, 0, index, out=out)
-        else:
-            e = self._block_elems
-            for layer, kv in enumerate(self._kv_blocks):
-                staging[:, layer * e : (layer + 1) * e].copy_(
-                    kv.index_select(0, index).reshape(n, -1), non_blocking=True
-                )
-        task = _UpdateTask(buffer_id, segments)
-        if self.device.type == "cuda":
-            # The copy runs on the compute stream, so the next forward pass
-            # cannot overwrite these blocks before it is done.
-            task.copy_done = torch.cuda.Event()
-            task.copy_done.record()
+        staging = self._pool.buffer(buffer_id)[: len(src_blocks)]
+        copy_done = self._kv.gather(src_blocks, staging)
+        # The updater waits for an asynchronous (CUDA) copy before writing.
+        task = _UpdateTask(buffer_id, segments, copy_done)
         assert self._updater is not None
         self._updater.submit(task)
         self.metrics.observe("save_caller_s", time.perf_counter() - t0)
