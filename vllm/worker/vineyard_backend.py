@@ -198,7 +198,8 @@ class _VineyardServer:
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
             store.Sealer.clear(view)
-        found = int(self._cache.query(prefix, ids, self._kv_lists[buffer_id]))
+        kv = self._kv_lists[buffer_id][: len(ids)]
+        found = int(self._cache.query(prefix, ids, kv))
         found = min(found, len(ids)) // bpc * bpc
         self._stats["bytes_read"] += found * self._spec.entry_bytes
         verified = 0
