@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A small Llama checkpoint with seeded random weights, made locally.
 
-For the demo, the tests and the benchmark: no download, and (unlike
-``load_format="dummy"``) non-degenerate outputs, so loading the wrong KV
-changes what the model generates.
+Test support (not shipped in the wheel), for the tests and the benchmark:
+no download, and (unlike ``load_format="dummy"``) non-degenerate outputs,
+so loading the wrong KV changes what the model generates. Tests import it
+by name (``tests/conftest.py`` puts ``tests/`` on ``sys.path``).
 """
 
 import json

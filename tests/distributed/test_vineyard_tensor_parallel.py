@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vineyard_toy_model import make_toy_llama
 
 from vllm.worker.vineyard_connector import lookup_all_ranks
 from vllm.worker.vineyard_llm_cache import (
@@ -20,7 +21,6 @@ from vllm.worker.vineyard_llm_cache import (
     VineyardLLMCache,
     VineyardLLMCacheConfig,
 )
-from vllm.worker.vineyard_toy_model import make_toy_llama
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD = 2, 32, 16, 2, 32
 CHUNK = 32

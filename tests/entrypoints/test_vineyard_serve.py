@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from vllm.worker.vineyard_toy_model import make_toy_llama
+from vineyard_toy_model import make_toy_llama
 
 pytestmark = pytest.mark.engine
 

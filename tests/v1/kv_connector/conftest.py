@@ -23,8 +23,7 @@ from vineyard_engine_testing import (
     engine_env,
     run_engine,
 )
-
-from vllm.worker.vineyard_toy_model import ToyLlamaConfig, make_toy_llama
+from vineyard_toy_model import ToyLlamaConfig, make_toy_llama
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The worker side of ``VineyardConnector`` without an engine.
+
+Metadata built by the real scheduler side (from real ``SchedulerOutput``
+objects) is run through :class:`VineyardConnectorWorker` whose cache is a
+real :class:`VineyardLLMCache` on small CPU KV tensors with real vineyard
+backends: loads fill exactly the promised blocks, a short or bad load
+reports exactly the blocks vLLM must recompute, a preempted request whose
+chunks are still being written loses nothing, one TP rank's failed write
+is retried, ``close()`` during a load does not hang, and the connector's
+stats aggregate across ranks as documented.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from vineyard_connector_testing import (
+    BLOCK_SIZE,
+    BLOCKS_PER_CHUNK,
+    CHUNK_SIZE,
+    Step,
+    WorkerHarness,
+    admit,
+    make_config,
+    make_layout,
+    make_request,
+    make_scheduler,
+    make_worker,
+    only,
+    random_tokens,
+    run_step,
+    wait_until,
+)
+
+from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    VineyardConnectorStats,
+)
+from vllm.worker.vineyard_store import extend_digests, synthetic_ids
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> VineyardLLMCacheConfig:
+    return make_config(tmp_path_factory.mktemp("worker-root"))
+
+
+@pytest.fixture(scope="module")
+def worker(config: VineyardLLMCacheConfig) -> Iterator[WorkerHarness]:
+    harness = make_worker(config, make_layout())
+    yield harness
+    harness.close()
+
+
+def chunk_path(w: WorkerHarness, tokens: list[int], chunk: int) -> str:
+    ids = synthetic_ids(extend_digests([], tokens, BLOCK_SIZE))
+    return w.cache.files.path(ids[: (chunk + 1) * BLOCKS_PER_CHUNK])
+
+
+def save_prompt(
+    config: VineyardLLMCacheConfig,
+    w: WorkerHarness,
+    tokens: list[int],
+    blocks: list[int],
+) -> None:
+    """Prefill ``tokens`` into ``blocks`` in one step and wait until its
+    whole chunks are written."""
+    sched = make_scheduler(config, [w.layout])
+    req = make_request(f"save-{tokens[0]}-{blocks[0]}", tokens)
+    admit(sched, req)
+    run_step(sched, Step(new=[(req, blocks, len(tokens))]), [w])
+    w.worker.get_finished({req.request_id})
+    w.wait_for_writes()
+
+
+def test_metadata_load_fills_blocks(
+    config: VineyardLLMCacheConfig, worker: WorkerHarness
+) -> None:
+    """A second request for a saved prompt, in other blocks: the load the
+    metadata carries fills exactly the blocks of the cached chunks with the
+    saved KV, and leaves the block being computed alone."""
+    prompt = random_tokens(4 * CHUNK_SIZE + 5)
+    save_prompt(config, worker, prompt, list(range(0, 9)))
+    expected = worker.kv[:, 0:8].clone()
+
+    sched = make_scheduler(config, [worker.layout])
+    req = make_request("load", prompt)
+    assert admit(sched, req) == 4 * CHUNK_SIZE
+    blocks = list(range(20, 29))
+    untouched = worker.block(28)
+    before = worker.cache.metrics.snapshot()
+    run_step(sched, Step(new=[(req, blocks, 5)]), [worker])
+    assert torch.equal(worker.kv[:, 20:28], expected)
+    assert torch.equal(worker.block(28), untouched)
+    assert worker.worker.take_load_errors() == set()
+    after = worker.cache.metrics.snapshot()
+    assert after["loaded_tokens"] - before["loaded_tokens"] == 4 * CHUNK_SIZE
+    assert after["load_errors"] == before["load_errors"]
+
+
+def _flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-200, os.SEEK_END)  # inside the last entry's KV
+        byte = f.read(1)
+        f.seek(-200, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) - 100)
+
+
+DAMAGE = {"missing": os.unlink, "corrupt": _flip_payload_byte, "truncated": _truncate}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_short_load_reports_exactly_the_unloaded_blocks(
+    damage: str, config: VineyardLLMCacheConfig, worker: WorkerHarness
+) -> None:
+    """The lookup promised four chunks; chunk 2 is then evicted, bit-rotted
+    or truncated before the load. Chunks 0-1 are loaded, and
+    ``take_load_errors`` (vLLM's ``get_block_ids_with_load_errors``) is
+    exactly the blocks of chunks 2-3, once; a bad chunk is counted and
+    removed, so the next lookup stops before it."""
+    prompt = random_tokens(4 * CHUNK_SIZE + 3)
+    save_prompt(config, worker, prompt, list(range(30, 39)))
+    expected = worker.kv[:, 30:34].clone()
+    sched = make_scheduler(config, [worker.layout])
+    req = make_request(f"short-{damage}", prompt)
+    assert admit(sched, req) == 4 * CHUNK_SIZE
+    path = chunk_path(worker, prompt, 2)
+    DAMAGE[damage](path)
+    before = worker.cache.metrics.snapshot()
+    blocks = list(range(40, 49))
+    run_step(sched, Step(new=[(req, blocks, 3)]), [worker])
+
+    assert worker.worker.take_load_errors() == set(blocks[4:8])
+    assert worker.worker.take_load_errors() == set()  # reported once
+    assert torch.equal(worker.kv[:, 40:44], expected)
+    after = worker.cache.metrics.snapshot()
+    assert after["loaded_tokens"] - before["loaded_tokens"] == 2 * CHUNK_SIZE
+    assert after["load_errors"] - before["load_errors"] == 1
+    bad = after["corrupt_chunks"] - before["corrupt_chunks"]
+    assert bad == (0 if damage == "missing" else 1)
+    assert not os.path.exists(path)
+    assert admit(make_scheduler(config, [worker.layout]), req) == 2 * CHUNK_SIZE
+
+
+def test_preempted_while_saving_loses_nothing(
+    config: VineyardLLMCacheConfig, worker: WorkerHarness
+) -> None:
+    """A request's chunks are staged and submitted, but the writer is
+    stopped (the write is in flight) when the request is preempted; its old
+    blocks are reused by another request (overwritten) and it resumes in
+    new blocks. The staged bytes are what gets written: a later load
+    returns the original KV. After the resume the worker saves from the new
+    blocks, and every chunk is written once."""
+    prompt = random_tokens(3 * CHUNK_SIZE + 10)
+    sched = make_scheduler(config, [worker.layout])
+    req = make_request("preempt", prompt)
+    admit(sched, req)
+    old_blocks = list(range(50, 57))
+    original = worker.kv[:, 50:56].clone()
+    writer = worker.pid("write")
+    before = worker.cache.metrics.snapshot()
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        run_step(sched, Step(new=[(req, old_blocks, 2 * CHUNK_SIZE)]), [worker])
+        assert worker.cache.pool.num_in_flight == 1  # being saved
+        # Preempted; another request overwrites the freed blocks.
+        worker.kv[:, 50:57] = -1.0
+        req.num_computed_tokens = 0
+        # Nothing is on disk yet: the resumed request recomputes.
+        assert admit(sched, req) == 0
+        new_blocks = list(range(60, 67))
+        worker.kv[:, 60:66] = original  # what recomputing gives
+        meta = run_step(
+            sched, Step(resumed=[(req, new_blocks, req.num_tokens)]), [worker]
+        )
+        assert only(meta).replace_blocks
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    worker.wait_for_writes()
+    after = worker.cache.metrics.snapshot()
+    assert after["tokens_written"] - before["tokens_written"] == 3 * CHUNK_SIZE
+    assert after["updates_failed"] == before["updates_failed"]
+    # A fresh request loads what was saved, from both sides of the
+    # preemption, into other blocks.
+    worker.worker.get_finished({req.request_id})
+    other = make_request("after-preempt", prompt)
+    sched2 = make_scheduler(config, [worker.layout])
+    assert admit(sched2, other) == 3 * CHUNK_SIZE
+    run_step(sched2, Step(new=[(other, list(range(70, 77)), 10)]), [worker])
+    assert torch.equal(worker.kv[:, 70:76], original)
+
+
+@pytest.fixture
+def rank_workers(
+    tmp_path: Path,
+) -> Iterator[tuple[VineyardLLMCacheConfig, list[WorkerHarness]]]:
+    config = make_config(tmp_path / "root")
+    workers = [make_worker(config, make_layout(2, rank), seed=rank) for rank in (0, 1)]
+    yield config, workers
+    for w in workers:
+        w.close()
+
+
+def test_one_rank_write_failure_is_retried(
+    rank_workers: tuple[VineyardLLMCacheConfig, list[WorkerHarness]],
+) -> None:
+    """Rank 1's namespace directory is a regular file while both ranks save
+    a prompt: rank 0's chunks are written, rank 1's write fails (counted),
+    so no chunk is usable (the lookup is the minimum across ranks). Once
+    the directory is back, rank 1's next save rewinds to the failed chunks
+    and writes them, and the prompt is cached on both ranks."""
+    config, workers = rank_workers
+    layouts = [w.layout for w in workers]
+    rank1_root = workers[1].cache.files.root
+    os.rename(rank1_root, rank1_root + ".away")
+    with open(rank1_root, "w") as f:
+        f.write("not a directory")
+    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    sched = make_scheduler(config, layouts)
+    req = make_request("tp-fail", prompt)
+    assert admit(sched, req) == 0
+    run_step(sched, Step(new=[(req, list(range(7)), req.num_tokens)]), workers)
+    for w in workers:
+        w.wait_for_writes()
+    totals = [w.cache.metrics.snapshot() for w in workers]
+    assert totals[0]["tokens_written"] == 3 * CHUNK_SIZE
+    assert totals[0]["updates_failed"] == 0
+    assert totals[1]["tokens_written"] == 0
+    assert totals[1]["updates_failed"] == 1
+    lookup = VineyardCacheLookup(config, layouts)
+    digests = extend_digests([], prompt, BLOCK_SIZE)
+    assert lookup.lookup(digests, 0, len(prompt)) == (0, 0)
+
+    os.unlink(rank1_root)
+    os.rename(rank1_root + ".away", rank1_root)
+    run_step(sched, Step(running=[(req, [], 1)]), workers)
+    for w in workers:
+        w.wait_for_writes()
+    assert workers[1].cache.metrics.snapshot()["tokens_written"] == 3 * CHUNK_SIZE
+    assert workers[0].cache.metrics.snapshot()["tokens_written"] == 3 * CHUNK_SIZE
+    expect = 3 * CHUNK_SIZE
+    assert lookup.lookup(digests, 0, len(prompt)) == (expect, expect)
+
+
+def test_close_during_a_load(tmp_path: Path) -> None:
+    """``close()`` while a load waits on a stalled reader (stopped with
+    SIGSTOP, timeout far away): the load returns at once with nothing
+    loaded (its blocks then count as load errors) instead of waiting for
+    the backend timeout, and close does not hang."""
+    config = make_config(tmp_path / "root", backend_timeout_s=300.0)
+    w = make_worker(config, make_layout())
+    try:
+        prompt = random_tokens(2 * CHUNK_SIZE + 1)
+        save_prompt(config, w, prompt, [0, 1, 2, 3, 4])
+        sched = make_scheduler(config, [w.layout])
+        req = make_request("closing", prompt)
+        assert admit(sched, req) == 2 * CHUNK_SIZE
+        meta = sched.build_connector_meta(
+            Step(new=[(req, [10, 11, 12, 13, 14], 1)]).output()
+        )
+        untouched = w.kv[:, 10:14].clone()
+        os.kill(w.pid("read"), signal.SIGSTOP)
+        loader = threading.Thread(target=w.worker.start_load_kv, args=(meta,))
+        loader.start()
+        # The load is waiting for the stopped reader's answer.
+        assert wait_until(lambda: w.cache._reader._in_flight == "query", 30)
+        closer = threading.Thread(target=w.worker.shutdown)
+        closer.start()
+        # Bounds for "does not hang" only: the reader would answer in 300 s.
+        loader.join(60)
+        closer.join(60)
+        assert not loader.is_alive() and not closer.is_alive()
+        assert w.worker.take_load_errors() == {10, 11, 12, 13}
+        assert torch.equal(w.kv[:, 10:14], untouched)
+        assert w.cache.metrics.snapshot()["load_errors"] == 1
+    finally:
+        w.close()
+
+
+# ---- stats across ranks -----------------------------------------------------
+
+
+def test_stats_aggregate_and_reduce_across_ranks() -> None:
+    """vLLM aggregates each rank's (and step's) stats into one: counters
+    are summed, gauges keep the largest (every rank's writer samples the
+    same root), timings are concatenated; ``reduce`` shows the non-zero
+    counters, the hit rate, the gauges and average times."""
+    rank0 = VineyardConnectorStats(
+        data={
+            "query_tokens": 1000,
+            "hit_tokens": 250,
+            "tokens_written": 512,
+            "root_bytes": 4096,
+            "root_chunks": 3,
+            "load_s": [0.010, 0.020],
+        }
+    )
+    rank1 = VineyardConnectorStats(
+        data={
+            "query_tokens": 1000,
+            "hit_tokens": 500,
+            "tokens_written": 256,
+            "root_bytes": 8192,
+            "root_chunks": 2,
+            "load_s": [0.030],
+        }
+    )
+    total = VineyardConnectorStats()
+    assert total.is_empty()
+    total.aggregate(rank0).aggregate(rank1)
+    assert not total.is_empty()
+    assert total.data["query_tokens"] == 2000
+    assert total.data["hit_tokens"] == 750
+    assert total.data["tokens_written"] == 768
+    assert total.data["root_bytes"] == 8192 and total.data["root_chunks"] == 3
+    assert total.data["load_s"] == [0.010, 0.020, 0.030]
+    reduced = total.reduce()
+    assert reduced["hit_rate"] == 0.375
+    assert reduced["load_s_avg_ms"] == 20.0
+    assert reduced["root_bytes"] == 8192
+    assert "updates_failed" not in reduced  # zero counters are left out
+    assert set(reduced) <= {
+        *COUNTERS,
+        *GAUGES,
+        "hit_rate",
+        *(f"{h}_avg_ms" for h in HISTOGRAMS),
+    }
+    total.reset()
+    assert total.is_empty() and total.data["query_tokens"] == 0
+
+
+def test_stats_with_only_gauges_are_not_empty() -> None:
+    """A step whose only news is the sweeper's sample still reports it."""
+    stats = VineyardConnectorStats(data={"root_bytes": 0})
+    assert not stats.is_empty()
+    assert stats.reduce()["root_bytes"] == 0
+    assert "hit_rate" not in stats.reduce()

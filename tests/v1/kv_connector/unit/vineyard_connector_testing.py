@@ -1,0 +1,267 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers of the in-process connector tests: real vLLM ``Request`` and
+``SchedulerOutput`` objects driven by hand (as vLLM's own connector unit
+tests do), and real worker-side caches on small CPU KV tensors.
+
+:class:`Step` plays vLLM's scheduler for one step: it builds the
+``SchedulerOutput`` the connector sees, and afterwards advances the requests
+as ``Scheduler._update_after_schedule`` and ``update_from_output`` would
+(``num_computed_tokens``, one sampled token per finished prefill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.request import Request
+
+from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard_connector_metadata import (
+    RequestDelta,
+    VineyardConnectorMetadata,
+)
+from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
+from vllm.worker.vineyard_connector_worker import VineyardConnectorWorker
+from vllm.worker.vineyard_llm_cache import VineyardLLMCache
+from vllm.worker.vineyard_lookup import KVCacheLayout
+
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+BLOCK_SIZE = 16
+CHUNK_SIZE = 32  # two blocks
+BLOCKS_PER_CHUNK = CHUNK_SIZE // BLOCK_SIZE
+NUM_BLOCKS = 96
+MAX_NUM_BATCHED_TOKENS = 128
+VOCAB_SIZE = 32000
+
+
+def make_config(root: Path, **fields: Any) -> VineyardLLMCacheConfig:
+    base: dict[str, Any] = {
+        "root": str(root),
+        "chunk_size": CHUNK_SIZE,
+        "cpu_mem_limit_gb": 0.5,
+        "backend_timeout_s": 30.0,
+        "drain_timeout_s": 5.0,
+    }
+    return replace(VineyardLLMCacheConfig(), **{**base, **fields})
+
+
+def random_kv(seed: int) -> torch.Tensor:
+    """Random paged KV of every layer in one allocation, as vLLM's CPU
+    backend allocates it: ``[layers, blocks, heads, block_size, 2 * head]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(
+        NUM_LAYERS,
+        NUM_BLOCKS,
+        NUM_KV_HEADS,
+        BLOCK_SIZE,
+        2 * HEAD_SIZE,
+        generator=gen,
+    )
+
+
+def make_layout(tp_size: int = 1, tp_rank: int = 0) -> KVCacheLayout:
+    return KVCacheLayout(
+        model="unit-model",
+        dtype="float32",
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        block_size=BLOCK_SIZE,
+        block_bytes=NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4,
+        kv_layout="cpu:unit",
+        chunk_size=CHUNK_SIZE,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+@dataclass
+class WorkerHarness:
+    """One TP rank: a :class:`VineyardConnectorWorker` whose cache is a real
+    :class:`VineyardLLMCache` (with its backend processes) over ``kv``.
+
+    ``register_kv_caches`` needs vLLM's TP group; the tests set the cache
+    the way it would, so everything after registration is the product's.
+    """
+
+    worker: VineyardConnectorWorker
+    kv: torch.Tensor
+    layout: KVCacheLayout
+
+    @property
+    def cache(self) -> VineyardLLMCache:
+        assert self.worker.cache is not None
+        return self.worker.cache
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer."""
+        return self.kv[:, block_id].clone()
+
+    def step(self, meta: VineyardConnectorMetadata) -> None:
+        """What a forward pass does with the connector: load, then save."""
+        self.worker.start_load_kv(meta)
+        self.worker.wait_for_save(meta)
+
+    def wait_for_writes(self, timeout_s: float = 30.0) -> None:
+        assert wait_until(lambda: self.cache.pool.num_in_flight == 0, timeout_s), (
+            "background writes did not finish"
+        )
+
+    def pid(self, role: str) -> int:
+        pid = self.cache.backend_pids()[role]
+        assert pid is not None
+        return pid
+
+    def close(self) -> None:
+        for pid in self.cache.backend_pids().values():
+            if pid is not None:  # a test may have stopped it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        self.worker.shutdown()
+
+
+def make_worker(
+    config: VineyardLLMCacheConfig, layout: KVCacheLayout, seed: int = 0
+) -> WorkerHarness:
+    kv = random_kv(seed)
+    worker = VineyardConnectorWorker(
+        config,
+        lambda *_: layout,
+        MAX_NUM_BATCHED_TOKENS,
+        NUM_BLOCKS,
+    )
+    worker.cache = VineyardLLMCache(
+        config,
+        layout,
+        MAX_NUM_BATCHED_TOKENS,
+        [kv[i] for i in range(NUM_LAYERS)],
+        NUM_BLOCKS,
+    )
+    return WorkerHarness(worker, kv, layout)
+
+
+def make_scheduler(
+    config: VineyardLLMCacheConfig, layouts: Sequence[KVCacheLayout]
+) -> VineyardConnectorScheduler:
+    """A scheduler side that has had every rank's handshake."""
+    from vllm.worker.vineyard_connector_metadata import VineyardHandshake
+
+    sched = VineyardConnectorScheduler(config, BLOCK_SIZE, len(layouts))
+    sched.set_handshakes(
+        {rank: VineyardHandshake(layout) for rank, layout in enumerate(layouts)}
+    )
+    return sched
+
+
+_rng = random.Random(1234)
+
+
+def random_tokens(n: int) -> list[int]:
+    """Fresh random token ids (a new prompt on every call)."""
+    return [_rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+
+def make_request(
+    req_id: str, prompt: list[int] | None, max_tokens: int = 64, **kwargs: Any
+) -> Request:
+    return Request(
+        req_id, prompt, SamplingParams(max_tokens=max_tokens), None, **kwargs
+    )
+
+
+def num_blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+@dataclass
+class Step:
+    """One scheduler step: new requests (with all their blocks), running
+    ones (with the blocks they got now), resumed ones (with all theirs)."""
+
+    new: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    running: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    resumed: list[tuple[Request, list[int], int]] = field(default_factory=list)
+
+    def output(self) -> SchedulerOutput:
+        out = SchedulerOutput.make_empty()
+        for req, blocks, n in self.new:
+            out.scheduled_new_reqs.append(
+                NewRequestData.from_request(req, (list(blocks),))
+            )
+            out.num_scheduled_tokens[req.request_id] = n
+        cached: CachedRequestData = out.scheduled_cached_reqs
+        for req, blocks, n in self.running + self.resumed:
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append((list(blocks),) if blocks else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.num_output_tokens.append(req.num_output_tokens)
+            out.num_scheduled_tokens[req.request_id] = n
+        cached.resumed_req_ids = {req.request_id for req, _, _ in self.resumed}
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        return out
+
+    def advance(self) -> None:
+        """After the step: the scheduled tokens are computed, and a request
+        whose prompt is done samples one token."""
+        for req, _, n in self.new + self.running + self.resumed:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                req.append_output_token_ids(_rng.randrange(3, VOCAB_SIZE))
+
+
+def run_step(
+    sched: VineyardConnectorScheduler,
+    step: Step,
+    workers: Sequence[WorkerHarness] = (),
+) -> VineyardConnectorMetadata:
+    """Build the step's metadata, run it on every worker, advance."""
+    meta = sched.build_connector_meta(step.output())
+    for w in workers:
+        w.step(meta)
+    step.advance()
+    return meta
+
+
+def admit(
+    sched: VineyardConnectorScheduler, req: Request, num_local_tokens: int = 0
+) -> int:
+    """What vLLM's scheduler does for a waiting request: ask the connector
+    for external hits, allocate, tell it. Sets ``num_computed_tokens`` to
+    local + external hits; returns the external hit."""
+    num_external, load_async = sched.get_num_new_matched_tokens(req, num_local_tokens)
+    assert load_async is False
+    sched.update_state_after_alloc(req, num_external)
+    req.num_computed_tokens = num_local_tokens + num_external
+    return num_external
+
+
+def only(meta: VineyardConnectorMetadata) -> RequestDelta:
+    assert len(meta.requests) == 1, meta.requests
+    return meta.requests[0]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
