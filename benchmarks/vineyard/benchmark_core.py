@@ -1,0 +1,415 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The vineyard KV cache's core, without an engine, on an 8B-class KV layout.
+
+Measures, with the cache's real backend processes on a real vineyard root:
+
+  (a) write and read GB/s through ``VineyardLLMCache`` (save, then wait until
+      the pool is idle; load into KV blocks), next to a plain ``os.writev`` +
+      ``fdatasync`` and ``os.readv`` (page cache warm) of the same bytes in
+      one file per chunk: the physical reference;
+  (b) the cost of verification: read GB/s with the checksum (default) and
+      with a key (``auth_key_file``: keyed BLAKE3);
+  (c) the forward thread's time per save next to one memcpy of the bytes;
+  (d) scheduler lookups of a fully cached prompt: their time and the KV
+      bytes they read (the ``bytes_read`` counter and this process's read
+      syscalls, which must both stay at zero KV).
+
+The process is pinned to one core, like a forward pass; the cache's backends
+move to the other cores. Usage::
+
+    python benchmarks/vineyard/benchmark_core.py [--tiny] [--repeats 3] \
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
+from vllm.worker.vineyard_store import extend_digests, key_id, load_auth_key
+
+TARGET_READ_VS_READV = 1.3  # cache read time at most 1.3x readv's
+TARGET_SAVE_VS_MEMCPY = 1.2  # forward-thread save at most 1.2x one memcpy
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Size:
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    chunk_size: int = 256
+    num_tokens: int = 2048  # one prompt, written and read as a whole
+    step_tokens: int = 1024  # max_num_batched_tokens: one save's tokens
+    iters: int = 5
+
+
+TINY = Size(num_layers=4, num_kv_heads=2, head_size=64, chunk_size=64,
+            num_tokens=512, step_tokens=256, iters=3)  # fmt: skip
+
+
+class Bench:
+    """A cache over random paged KV laid out as vLLM's CPU backend lays it
+    out: all layers in one allocation, ``[layers, blocks, heads, block,
+    2 * head]``; the first half of the blocks are saved, loads go to the
+    second half."""
+
+    def __init__(self, size: Size, root: str, key_file: str = ""):
+        self.size = size
+        s = size
+        self.blocks = s.num_tokens // s.block_size
+        dtype = getattr(torch, s.dtype)
+        shape = (s.num_layers, 2 * self.blocks, s.num_kv_heads, s.block_size,
+                 2 * s.head_size)  # fmt: skip
+        self.kv = torch.randn(shape).to(dtype)
+        self.layout = KVCacheLayout(
+            model="benchmark-8b-class",
+            dtype=s.dtype,
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_size=s.head_size,
+            block_size=s.block_size,
+            block_bytes=self.kv[0, 0].numel() * self.kv.element_size(),
+            kv_layout="CPU_ATTN",
+            chunk_size=s.chunk_size,
+            key_id=key_id(load_auth_key(key_file)),
+        )
+        self.config = replace(
+            VineyardLLMCacheConfig(),
+            root=root,
+            chunk_size=s.chunk_size,
+            auth_key_file=key_file,
+            cpu_mem_limit_gb=8.0,
+            max_inflight_tasks=2,
+            backend_timeout_s=120.0,
+        )
+        self.cache = VineyardLLMCache(
+            self.config,
+            self.layout,
+            s.step_tokens,
+            kv_caches=[self.kv[i] for i in range(s.num_layers)],
+            num_blocks=2 * self.blocks,
+        )
+        self.prompt_bytes = self.blocks * self.layout.entry_bytes
+        self._seed = 0
+
+    def new_prompt(self) -> list[bytes]:
+        """Digests of a prompt no one has written yet."""
+        self._seed += 1
+        gen = torch.Generator().manual_seed(self._seed)
+        tokens = torch.randint(3, 32000, (self.size.num_tokens,), generator=gen)
+        return extend_digests([], tokens.tolist(), self.size.block_size)
+
+    def wait_idle(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.cache.pool.num_in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError("background writes did not finish")
+            time.sleep(0.0005)
+
+    def save(self, digests: list[bytes], tag: str) -> float:
+        """Write the prompt (one save per step's worth of tokens) and wait
+        for the writes; returns the seconds from the first save on."""
+        n = self.size.num_tokens
+        req = SaveRequest(tag, digests, n, list(range(self.blocks)))
+        written = self.cache.metrics.snapshot()["tokens_written"]
+        start = time.perf_counter()
+        for _ in range(-(-n // self.size.step_tokens)):
+            while not self.cache.can_save():
+                time.sleep(0.0005)
+            self.cache.save([req])
+        self.wait_idle()
+        elapsed = time.perf_counter() - start
+        self.cache.release(tag)
+        got = self.cache.metrics.snapshot()["tokens_written"] - written
+        if got != n:
+            raise RuntimeError(f"wrote {got} of {n} tokens")
+        return elapsed
+
+    def load(self, digests: list[bytes]) -> float:
+        n = self.size.num_tokens
+        dst = list(range(self.blocks, 2 * self.blocks))
+        start = time.perf_counter()
+        loaded = self.cache.load(digests, 0, n, dst)
+        elapsed = time.perf_counter() - start
+        if loaded != n:
+            raise RuntimeError(f"loaded {loaded} of {n} tokens")
+        return elapsed
+
+    def loaded_exact(self) -> bool:
+        b = self.blocks
+        src, dst = self.kv[:, :b], self.kv[:, b:]
+        return torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _median_time(fn: Callable[[], float], iters: int) -> float:
+    return statistics.median(fn() for _ in range(iters))
+
+
+def plain_files(b: Bench, directory: str, iters: int) -> tuple[float, float]:
+    """Seconds to ``writev`` + ``fdatasync`` the prompt's bytes (header,
+    entries) to one new file per chunk, and to ``readv`` them back."""
+    os.makedirs(directory, exist_ok=True)
+    bpc = b.layout.blocks_per_chunk
+    entry = b.layout.entry_bytes
+    chunks = b.blocks // bpc
+    payload = torch.empty(chunks, bpc * entry, dtype=torch.uint8)
+    payload.view(-1)[:] = 1  # touched
+    into = torch.zeros_like(payload)
+    views = [payload[c].numpy().data for c in range(chunks)]
+    into_views = [into[c].numpy().data for c in range(chunks)]
+    counter = [0]
+
+    def write() -> float:
+        counter[0] += 1
+        start = time.perf_counter()
+        for c in range(chunks):
+            header = bytes(4 + 4 * (c + 1) * bpc)
+            path = os.path.join(directory, f"{counter[0]}-{c}")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.writev(fd, [header, views[c]])
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - start
+
+    def read() -> float:
+        start = time.perf_counter()
+        for c in range(chunks):
+            header = bytearray(4 + 4 * (c + 1) * bpc)
+            fd = os.open(os.path.join(directory, f"1-{c}"), os.O_RDONLY)
+            try:
+                os.readv(fd, [header, into_views[c]])
+            finally:
+                os.close(fd)
+        return time.perf_counter() - start
+
+    write_s = _median_time(write, iters)
+    read()  # the page cache holds file 1 now; warm the path once more
+    return write_s, _median_time(read, iters)
+
+
+def measure(size: Size, workdir: str) -> dict[str, Any]:
+    """One repeat of every measurement."""
+    out: dict[str, Any] = {}
+    os.makedirs(workdir, exist_ok=True)
+    key_file = os.path.join(workdir, "auth.key")
+    with open(key_file, "w") as f:
+        f.write("benchmark-secret-0123456789abcdef\n")
+    for name, key in (("checksum", ""), ("keyed", key_file)):
+        b = Bench(size, os.path.join(workdir, f"root-{name}"), key)
+        try:
+            prompts = [b.new_prompt() for _ in range(size.iters)]
+            write_s = statistics.median(
+                b.save(p, f"w{i}") for i, p in enumerate(prompts)
+            )
+            b.load(prompts[0])  # warm: the page cache, the read path
+            read_s = statistics.median(b.load(prompts[0]) for _ in range(size.iters))
+            out[name] = {
+                "write_gbps": b.prompt_bytes / write_s / GB,
+                "read_gbps": b.prompt_bytes / read_s / GB,
+                "bit_exact": b.loaded_exact(),
+            }
+            if name == "checksum":
+                out["bytes"] = b.prompt_bytes
+                out["lookup"] = measure_lookups(b, prompts[0])
+                out["save"] = measure_save(b)
+                w, r = plain_files(b, os.path.join(workdir, "plain"), size.iters)
+                out["writev_gbps"] = b.prompt_bytes / w / GB
+                out["readv_gbps"] = b.prompt_bytes / r / GB
+        finally:
+            b.close()
+    c = out["checksum"]
+    out["write_vs_writev"] = c["write_gbps"] / out["writev_gbps"]
+    out["readv_vs_read"] = out["readv_gbps"] / c["read_gbps"]
+    out["mac_vs_checksum_read"] = out["keyed"]["read_gbps"] / c["read_gbps"]
+    return out
+
+
+def _rchar() -> int:
+    """Bytes this process has read with read syscalls (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def measure_lookups(b: Bench, digests: list[bytes], n: int = 200) -> dict[str, Any]:
+    """Scheduler lookups of the fully cached prompt (plus one token to
+    compute) and of a miss: time, tokens found, KV bytes read."""
+    lookup = VineyardCacheLookup(b.config, [b.layout])
+    tokens = b.size.num_tokens
+    miss = b.new_prompt()
+    before = b.cache.metrics.snapshot()["bytes_read"]
+    rchar = _rchar()
+    own = _rchar() - rchar  # reading /proc/self/io reads bytes too
+    rchar += own
+    start = time.perf_counter()
+    for _ in range(n):
+        hit, _ = lookup.lookup(digests, 0, tokens + 1)
+    hit_s = (time.perf_counter() - start) / n
+    start = time.perf_counter()
+    for _ in range(n):
+        missed, _ = lookup.lookup(miss, 0, tokens + 1)
+    miss_s = (time.perf_counter() - start) / n
+    return {
+        "lookups": 2 * n,
+        "hit_tokens": hit,
+        "miss_tokens": missed,
+        "hit_us": hit_s * 1e6,
+        "miss_us": miss_s * 1e6,
+        "bytes_read_delta": b.cache.metrics.snapshot()["bytes_read"] - before,
+        "process_read_bytes": _rchar() - rchar - own,
+        "chunks": tokens // b.size.chunk_size,
+    }
+
+
+def measure_save(b: Bench) -> dict[str, Any]:
+    """The forward thread's time in ``save`` for one step (writer idle, as
+    when the pool has a free buffer) next to one memcpy of the same bytes
+    (both on this process's one core)."""
+    step = b.size.step_tokens
+    nbytes = step // b.size.block_size * b.layout.payload_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1), dst.fill_(2)
+
+    def memcpy() -> float:
+        start = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - start
+
+    memcpy_s = _median_time(memcpy, b.size.iters)
+    blocks = list(range(step // b.size.block_size))
+    times = []
+    for i in range(b.size.iters):
+        digests = b.new_prompt()[: len(blocks)]
+        req = SaveRequest(f"s{i}", digests, step, blocks)
+        b.wait_idle()
+        start = time.perf_counter()
+        b.cache.save([req])
+        times.append(time.perf_counter() - start)
+        b.cache.release(req.req_id)
+    b.wait_idle()
+    save_s = statistics.median(times)
+    return {
+        "bytes": nbytes,
+        "save_ms": save_s * 1e3,
+        "memcpy_ms": memcpy_s * 1e3,
+        "ratio": save_s / memcpy_s,
+    }
+
+
+def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(get(r) for r in repeats)
+
+    read_ratio = med(lambda r: r["readv_vs_read"])
+    save_ratio = med(lambda r: r["save"]["ratio"])
+    return {
+        "write_gbps": med(lambda r: r["checksum"]["write_gbps"]),
+        "writev_gbps": med(lambda r: r["writev_gbps"]),
+        "read_gbps": med(lambda r: r["checksum"]["read_gbps"]),
+        "read_keyed_gbps": med(lambda r: r["keyed"]["read_gbps"]),
+        "readv_gbps": med(lambda r: r["readv_gbps"]),
+        "readv_vs_read": read_ratio,
+        "save_vs_memcpy": save_ratio,
+        "lookup_bytes_read": max(r["lookup"]["bytes_read_delta"] for r in repeats),
+        "targets": {
+            "read_within_1.3x_of_readv": read_ratio <= TARGET_READ_VS_READV,
+            "save_within_1.2x_of_memcpy": save_ratio <= TARGET_SAVE_VS_MEMCPY,
+            "lookups_read_no_kv": all(
+                r["lookup"]["bytes_read_delta"] == 0 for r in repeats
+            ),
+        },
+    }
+
+
+def print_report(size: Size, repeats: list[dict[str, Any]]) -> None:
+    s = size
+    kv_token = (
+        2
+        * s.num_layers
+        * s.num_kv_heads
+        * s.head_size
+        * (2 if s.dtype == "bfloat16" else 4)
+    )
+    print(
+        f"\nLayout: {s.num_layers} layers, {s.num_kv_heads} KV heads x "
+        f"{s.head_size}, {s.dtype} ({kv_token // 1024} KiB of KV per token), "
+        f"block {s.block_size}, chunk {s.chunk_size}; prompt of "
+        f"{s.num_tokens} tokens ({repeats[0]['bytes'] / 2**20:.0f} MiB), "
+        f"median of {s.iters}"
+    )
+    head = ("repeat", "write", "writev", "w ratio", "read", "read+MAC", "readv",
+            "readv/read", "save ms", "memcpy ms", "save/memcpy", "lookup us",
+            "lookup KV bytes")  # fmt: skip
+    print(" | ".join(head))
+    for i, r in enumerate(repeats):
+        c, k, sv, lk = r["checksum"], r["keyed"], r["save"], r["lookup"]
+        row = (str(i + 1), f"{c['write_gbps']:.2f}", f"{r['writev_gbps']:.2f}",
+               f"{r['write_vs_writev']:.2f}", f"{c['read_gbps']:.2f}",
+               f"{k['read_gbps']:.2f}", f"{r['readv_gbps']:.2f}",
+               f"{r['readv_vs_read']:.2f}x", f"{sv['save_ms']:.1f}",
+               f"{sv['memcpy_ms']:.1f}", f"{sv['ratio']:.2f}x",
+               f"{lk['hit_us']:.0f}", str(lk["bytes_read_delta"]))  # fmt: skip
+        print(" | ".join(row))
+    print("(GB/s; read = load through the cache, checksum verified; "
+          "read+MAC = with auth_key_file)")  # fmt: skip
+    t = summarize(repeats)["targets"]
+    print(f"targets: read within {TARGET_READ_VS_READV}x of readv: "
+          f"{t['read_within_1.3x_of_readv']}; save within "
+          f"{TARGET_SAVE_VS_MEMCPY}x of memcpy: {t['save_within_1.2x_of_memcpy']}; "
+          f"lookups read no KV: {t['lookups_read_no_kv']}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--repeats", type=int, default=1, help="whole repeats")
+    parser.add_argument("--tokens", type=int, help="prompt tokens (default 2048)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--workdir", help="cache roots and files (default: temp)")
+    args = parser.parse_args(argv)
+    size = TINY if args.tiny else Size()
+    if args.tokens:
+        size = replace(size, num_tokens=args.tokens)
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    repeats = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        for i in range(args.repeats):
+            repeats.append(measure(size, os.path.join(workdir, f"repeat{i}")))
+    print_report(size, repeats)
+    result = {"size": asdict(size), "repeats": repeats, "summary": summarize(repeats)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Real vLLM engines (CPU) side by side on the same prompts: no cache, the
+vineyard cache with synchronous and with asynchronous updates, and vLLM's
+own ``ExampleConnector`` (synchronous safetensors files) as a peer.
+
+For each model (random-weight Llamas written locally, no download):
+
+  (i)  no-hit throughput: unique prompts, so every step saves and nothing
+       hits; tokens/s of each configuration and its ratio to no cache
+       (best of ``--rounds``, the order of the configurations rotating);
+  (ii) TTFT of a fully cached prompt (``--ttft-tokens``, 4096) on a FRESH
+       engine pointed at a cache that an earlier engine filled, next to
+       recomputing it; the speedup of each configuration.
+
+Every engine runs in its own process (vLLM reads its environment at import)
+through the harness of the engine tests
+(``tests/v1/kv_connector/vineyard_engine_testing.py``), one process, eager,
+its forward pass on one core (``OMP_NUM_THREADS=1``, the engines pinned to
+the first core; the cache's backend processes move to the others). Usage::
+
+    python benchmarks/vineyard/benchmark_engine.py [--tiny] \
+        [--models kv-heavy toy] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+# The engine harness is shared with the engine tests; the toy model writer
+# lives in tests/ (or, until it moves, in vllm.worker).
+sys.path[:0] = [str(ROOT / "tests" / "v1" / "kv_connector"), str(ROOT / "tests")]
+
+from vineyard_engine_testing import (  # noqa: E402
+    EngineRun,
+    engine_env,
+    run_engine,
+)
+
+TARGET_ASYNC_THROUGHPUT = 0.97  # async no-hit throughput vs no cache
+CONFIGS = ("no cache", "sync", "async", "peer")
+BLOCK_SIZE = 64  # vLLM's block size (the harness's)
+CHUNK_SIZE = 256  # the cache's (the harness's VINEYARD_CACHE_CHUNK_SIZE)
+#: ToyLlamaConfig fields. "kv-heavy": 8 layers, multi-head attention (8 KV
+#: heads of 128) on a hidden size of 256: much KV for little compute, so the
+#: cost of moving KV shows. "toy": the demo's model. "tiny": CI.
+MODELS: dict[str, dict[str, Any]] = {
+    "kv-heavy": {"num_layers": 8, "hidden_size": 256, "num_heads": 8,
+                 "num_kv_heads": 8, "head_dim": 128, "intermediate_size": 512},
+    "toy": {},
+    "tiny": {"num_layers": 2, "hidden_size": 128, "num_heads": 2,
+             "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 256,
+             "vocab_size": 4096, "max_position_embeddings": 4096},
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: list[str] = field(default_factory=lambda: ["kv-heavy", "toy"])
+    prompts: int = 24  # unique prompts of the throughput round
+    prompt_tokens: tuple[int, int] = (1024, 2048)
+    max_tokens: int = 4
+    rounds: int = 2
+    ttft_tokens: int = 4096  # cached length of a TTFT probe
+    probes: int = 3
+    max_num_batched_tokens: int = 2048
+    kvcache_space_gib: int = 2
+
+
+TINY = Plan(models=["tiny"], prompts=4, prompt_tokens=(256, 512), max_tokens=2,
+            rounds=1, ttft_tokens=512, probes=1, max_num_batched_tokens=512,
+            kvcache_space_gib=1)  # fmt: skip
+
+
+def toy_model_module() -> Any:
+    """The random-weight Llama writer: ``tests/vineyard_toy_model.py`` when
+    it is there, else ``vllm.worker.vineyard_toy_model``."""
+    if (ROOT / "tests" / "vineyard_toy_model.py").exists():
+        return importlib.import_module("vineyard_toy_model")
+    return importlib.import_module("vllm.worker.vineyard_toy_model")
+
+
+def kv_bytes_per_token(model: str) -> int:
+    c = toy_model_module().ToyLlamaConfig(**MODELS[model])
+    element = 4 if c.dtype == "float32" else 2
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element
+
+
+def _prompts(rng: random.Random, n: int, low: int, high: int, vocab: int) -> list:
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(low, high))]
+        for _ in range(n)
+    ]
+
+
+@dataclass
+class Prompts:
+    warmup: list[list[int]]  # the throughput engines' first round
+    throughput: list[list[int]]
+    cold: list[list[int]]  # a short prefill before any TTFT probe
+    probes: list[list[int]]  # probe 0 only warms up (and is a hit too)
+
+
+def make_prompts(plan: Plan, model: str, seed: int = 0) -> Prompts:
+    vocab = MODELS[model].get("vocab_size", 32000)
+    rng = random.Random(seed)
+    low, high = plan.prompt_tokens
+    # Two more tokens than the cached length: vineyard loads whole chunks
+    # leaving one token to compute, ExampleConnector whole blocks of all but
+    # the last token; both then load exactly ``ttft_tokens``.
+    n = plan.ttft_tokens + 2
+    return Prompts(
+        warmup=_prompts(rng, 2, low, high, vocab),
+        throughput=_prompts(rng, plan.prompts, low, high, vocab),
+        cold=_prompts(rng, 1, 64, 64, vocab),
+        probes=_prompts(rng, plan.probes + 1, n, n, vocab),
+    )
+
+
+def _one(prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+    return {"prompts": [prompt], "max_tokens": max_tokens}
+
+
+def engine(
+    plan: Plan,
+    model_path: str,
+    cfg: str,
+    root: Path,
+    rounds: list[dict[str, Any]],
+    workdir: Path,
+) -> EngineRun:
+    """One engine of configuration ``cfg`` (cache root / peer storage
+    ``root``) running ``rounds`` in its own process."""
+    extra = {
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(plan.kvcache_space_gib),
+        "VINEYARD_CACHE_METRICS_ENABLED": "1",
+        "VINEYARD_CACHE_ENABLE_ASYNC_UPDATE": "0" if cfg == "sync" else "1",
+    }
+    llm_kwargs: dict[str, Any] = {
+        "max_model_len": plan.ttft_tokens + CHUNK_SIZE,
+        "max_num_batched_tokens": plan.max_num_batched_tokens,
+        "block_size": BLOCK_SIZE,
+    }
+    if cfg == "peer":
+        root.mkdir(parents=True, exist_ok=True)
+        llm_kwargs["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(root)},
+        }
+    env = engine_env(root, use_cache=cfg in ("sync", "async"), extra=extra)
+    print(f"  engine {workdir.name} ...", end="", flush=True)
+    start = time.perf_counter()
+    run = run_engine(
+        model_path,
+        rounds,
+        env,
+        workdir,
+        llm_kwargs=llm_kwargs,
+        settle_s=300.0,
+        timeout_s=1800.0,
+    )
+    print(f" {time.perf_counter() - start:.0f} s", flush=True)
+    return run
+
+
+def run_model(plan: Plan, model: str, model_path: str, work: Path) -> dict[str, Any]:
+    p = make_prompts(plan, model)
+    tokens = sum(len(x) for x in p.throughput) + plan.max_tokens * len(p.throughput)
+    tput_rounds = [
+        {"prompts": p.warmup, "max_tokens": plan.max_tokens},
+        {"prompts": p.throughput, "max_tokens": plan.max_tokens},
+    ]
+    probes = [_one(x) for x in p.probes]
+    ttft_rounds = [_one(p.cold[0]), *probes]  # recompute, or hits
+    roots = {cfg: work / f"{model}-{cfg.replace(' ', '-')}" for cfg in CONFIGS}
+    tput: dict[str, list[float]] = {cfg: [] for cfg in CONFIGS}
+    outputs: dict[str, list[list[int]]] = {}
+    saves: dict[str, dict[str, float]] = {}
+    recompute: list[float] = []
+    recompute_outputs: list[list[int]] = []
+    for r in range(plan.rounds):
+        for cfg in CONFIGS[r % 4 :] + CONFIGS[: r % 4]:
+            root = roots[cfg] / f"round{r}"
+            rounds = list(tput_rounds)
+            if r == 0:
+                # The no-cache engine recomputes the probes; the others fill
+                # their root with them, one at a time (settled in between).
+                rounds += ttft_rounds if cfg == "no cache" else probes
+            run = engine(
+                plan,
+                model_path,
+                cfg,
+                root,
+                rounds,
+                work / f"{root.name}-{roots[cfg].name}",
+            )
+            tput[cfg].append(tokens / run.rounds[1].wall_s)
+            outputs.setdefault(cfg, run.rounds[1].outputs)
+            if r == 0 and cfg == "no cache":
+                recompute = [x.wall_s for x in run.rounds[4:]]
+                recompute_outputs = [x.outputs[0] for x in run.rounds[3:]]
+            if cfg in ("sync", "async") and r == 0:
+                name = "vllm:vineyard_cache_save_caller_seconds"
+                count0, total0 = run.rounds[0].histogram(name)
+                count1, total1 = run.rounds[1].histogram(name)
+                count, total = count1 - count0, total1 - total0
+                saves[cfg] = {
+                    "saves": count,
+                    "save_ms_mean": 1e3 * total / count if count else 0.0,
+                    "tokens_written": run.delta(1, "tokens_written"),
+                    "updates_skipped": run.delta(1, "updates_skipped"),
+                    "throughput_round_settled": run.rounds[1].settled,
+                }
+    ttft: dict[str, Any] = {}
+    recompute_s = statistics.median(recompute)
+    for cfg in ("sync", "async", "peer"):
+        run = engine(
+            plan, model_path, cfg, roots[cfg] / "round0", ttft_rounds,
+            work / f"{model}-{cfg}-fresh",
+        )  # fmt: skip
+        hits = run.rounds[2:]  # after the cold prefill and the warm-up probe
+        cached_s = statistics.median(x.wall_s for x in hits)
+        ttft[cfg] = {
+            "cached_s": [x.wall_s for x in hits],
+            "cached_median_s": cached_s,
+            "speedup": recompute_s / cached_s,
+            "num_cached_tokens": [x.num_cached_tokens[0] for x in hits],
+            "outputs_match_recompute": [x.outputs[0] for x in run.rounds[1:]]
+            == recompute_outputs,
+        }
+        if cfg != "peer":
+            ttft[cfg]["loaded_tokens"] = run.last.counter("loaded_tokens")
+            ttft[cfg]["lookup_hit_tokens"] = run.last.counter("hit_tokens")
+    best = {cfg: max(v) for cfg, v in tput.items()}
+    return {
+        "model": model,
+        "model_config": MODELS[model],
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "throughput": {
+            "tokens": tokens,
+            "tokens_per_s": tput,
+            "best_tokens_per_s": best,
+            "ratio_vs_no_cache": {c: best[c] / best["no cache"] for c in CONFIGS},
+            "outputs_identical": all(
+                o == outputs["no cache"] for o in outputs.values()
+            ),
+            "saves": saves,
+        },
+        "ttft": {
+            "prompt_tokens": plan.ttft_tokens + 2,
+            "recompute_s": recompute,
+            "recompute_median_s": recompute_s,
+            "configs": ttft,
+        },
+    }
+
+
+def print_model(res: dict[str, Any]) -> None:
+    t, f = res["throughput"], res["ttft"]
+    print(
+        f"\n{res['model']}: {res['model_config'] or 'default toy'}, "
+        f"{res['kv_bytes_per_token'] // 1024} KiB of KV per token"
+    )
+    print(f"no-hit throughput ({t['tokens']} tokens; best of "
+          f"{len(t['tokens_per_s']['no cache'])}; outputs identical: "
+          f"{t['outputs_identical']})")  # fmt: skip
+    print(f"  {'config':10} {'tok/s':>9} {'vs no cache':>12} {'save ms':>8}")
+    for cfg in CONFIGS:
+        save = t["saves"].get(cfg, {}).get("save_ms_mean")
+        print(f"  {cfg:10} {t['best_tokens_per_s'][cfg]:9.0f} "
+              f"{t['ratio_vs_no_cache'][cfg]:11.3f}x "
+              f"{'' if save is None else f'{save:8.2f}'}")  # fmt: skip
+    print(f"TTFT of a cached {f['prompt_tokens']}-token prompt on a fresh "
+          f"engine (recompute {f['recompute_median_s'] * 1e3:.0f} ms)")  # fmt: skip
+    print(f"  {'config':10} {'TTFT ms':>9} {'speedup':>9} {'cached':>7} outputs")
+    for cfg, c in f["configs"].items():
+        print(f"  {cfg:10} {c['cached_median_s'] * 1e3:9.1f} {c['speedup']:8.1f}x "
+              f"{min(c['num_cached_tokens']):7d} "
+              f"{'match' if c['outputs_match_recompute'] else 'DIFFER'}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, help="throughput rounds per config")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--plot", metavar="PNG", help="draw the results here")
+    parser.add_argument("--workdir", help="engines' logs and roots (default: temp)")
+    parser.add_argument(
+        "--model-dir",
+        default=os.path.expanduser("~/.cache/vineyard-llm-cache-bench"),
+        help="where the random-weight checkpoints are written (and reused)",
+    )
+    args = parser.parse_args(argv)
+    plan = TINY if args.tiny else Plan()
+    if args.models:
+        plan = replace(plan, models=args.models)
+    if args.rounds:
+        plan = replace(plan, rounds=args.rounds)
+    # Inherited by the harness's fork server and every engine; the cache's
+    # backends widen their affinity to the other cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    toy = toy_model_module()
+    start = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for model in plan.models:
+            print(f"{model}:", flush=True)
+            path = toy.make_toy_llama(
+                os.path.join(args.model_dir, model), toy.ToyLlamaConfig(**MODELS[model])
+            )
+            results.append(run_model(plan, model, path, Path(tmp) / model))
+    result = {
+        "plan": asdict(plan),
+        "machine": {"cpus": os.cpu_count()},
+        "models": results,
+        "elapsed_s": time.perf_counter() - start,
+    }
+    for res in results:
+        print_model(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).parent))
+        importlib.import_module("plot").plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
