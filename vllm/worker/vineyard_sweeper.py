@@ -98,11 +98,16 @@ class RootSweeper:
             return True
         except FileNotFoundError:
             return False  # another sweeper or a reader's repair was first
+        except OSError:
+            # Read-only or failing filesystem, or not ours: the sweep goes
+            # on with the rest (and counts only what it removed).
+            return False
 
     def sweep(self, now: float | None = None) -> None:
         """One pass over the root: ``stat`` every entry once, then delete."""
         now = time.time() if now is None else now
-        chunks: list[tuple[float, int, str]] = []  # (last use, bytes, path)
+        # (last use, bytes on disk, path, file size)
+        chunks: list[tuple[float, int, str, int]] = []
         self._walk(self.root, now, chunks, in_temp=False)
         if self.ttl_s > 0:
             live = []
@@ -113,20 +118,25 @@ class RootSweeper:
                 else:
                     live.append(chunk)
             chunks = live
-        total = sum(size for _, size, _ in chunks)
+        total = sum(chunk[1] for chunk in chunks)
         budget = self.budget(total)
         if total > HIGH_WATER * budget:
-            chunks.sort()
+            # Least recently used first; among chunks last used in the same
+            # second (one write or one hit), the later chunks of a prefix
+            # first (their files are longer), so what stays is still a
+            # usable prefix.
+            chunks.sort(key=lambda c: (int(c[0]), -c[3]))
             target = LOW_WATER * budget
-            evicted = 0
-            for _, size, path in chunks:
+            evicted = done = 0
+            for _, size, path, _ in chunks:
                 if total <= target:
                     break
-                if self._unlink(path):
-                    evicted += 1
+                # Gone either way (another sweeper may have been first).
+                evicted += self._unlink(path)
                 total -= size
+                done += 1
             self._count("evicted_chunks", evicted)
-            chunks = chunks[evicted:]
+            chunks = chunks[done:]
         with self._lock:
             self.root_bytes, self.root_chunks = total, len(chunks)
 
@@ -143,7 +153,7 @@ class RootSweeper:
         self,
         path: str,
         now: float,
-        chunks: list[tuple[float, int, str]],
+        chunks: list[tuple[float, int, str, int]],
         in_temp: bool,
     ) -> bool:
         """Collect chunk files below ``path`` and clean temp files and empty
@@ -157,12 +167,15 @@ class RootSweeper:
             try:
                 if entry.is_dir(follow_symlinks=False):
                     temp = in_temp or entry.name == TEMP_DIR
-                    if self._walk(entry.path, now, chunks, temp):
-                        st = entry.stat(follow_symlinks=False)
-                        if now - st.st_mtime > EMPTY_DIR_MIN_AGE_S:
-                            os.rmdir(entry.path)
-                            self._count("orphans_removed")
-                            remaining -= 1
+                    # Its age before this pass: removing the empty folders
+                    # below it makes it look new, but a whole empty tree
+                    # (vineyard leaves one per write) goes in one pass.
+                    st = entry.stat(follow_symlinks=False)
+                    empty = self._walk(entry.path, now, chunks, temp)
+                    if empty and now - st.st_mtime > EMPTY_DIR_MIN_AGE_S:
+                        os.rmdir(entry.path)
+                        self._count("orphans_removed")
+                        remaining -= 1
                     continue
                 st = entry.stat(follow_symlinks=False)
             except OSError:
@@ -178,5 +191,7 @@ class RootSweeper:
                     self._count("orphans_removed")
                     remaining -= 1
             else:
-                chunks.append((st.st_mtime, st.st_size, entry.path))
+                # The space it takes on disk (whole filesystem blocks).
+                size = max(st.st_size, st.st_blocks * 512)
+                chunks.append((st.st_mtime, size, entry.path, st.st_size))
         return remaining == 0
