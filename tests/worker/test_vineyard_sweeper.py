@@ -1,0 +1,336 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The root sweeper on real files: LRU eviction by last use, expiry by last
+use, orphaned temp files and empty folders, several sweepers at once, and
+what eviction does to a prefix that a real cache (real vineyard) wrote.
+
+Sweeps are called directly with ``now`` (time passing is simulated by
+ageing files with ``os.utime`` or by a later ``now``); the caches' own
+background sweeps are kept out of the way (a long interval, a huge limit).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vineyard_disk_testing import (
+    CHUNK_SIZE,
+    Harness,
+    chunk_files,
+    open_cache,
+)
+
+from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_sweeper import (
+    EMPTY_DIR_MIN_AGE_S,
+    HIGH_WATER,
+    LOW_WATER,
+    TEMP_DIR,
+    TEMP_MAX_AGE_S,
+    RootSweeper,
+)
+
+CHUNK_BYTES = 8192  # two filesystem blocks: size on disk == file size
+LONG_AGO = 10_000.0
+
+
+def sweeper(root: Path, limit_chunks: float = 1e6, ttl_s: float = 0.0) -> RootSweeper:
+    return RootSweeper(str(root), int(limit_chunks * CHUNK_BYTES), ttl_s, 3600.0)
+
+
+def put_file(path: Path, mtime: float, size: int = CHUNK_BYTES) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\1" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def disk_bytes(path: Path | str) -> int:
+    """The space a file takes (as the sweeper counts it)."""
+    st = os.stat(path)
+    return max(st.st_size, st.st_blocks * 512)
+
+
+def age(path: Path | str, mtime: float) -> None:
+    os.utime(path, (mtime, mtime))
+
+
+def age_tree(root: Path | str, mtime: float) -> None:
+    """Set the mtime of everything under ``root`` (deepest first)."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in [*filenames, *dirnames]:
+            age(os.path.join(dirpath, name), mtime)
+
+
+def chunk_path(root: Path, i: int, namespace: str = "ns") -> Path:
+    name = f"{i:08x}"
+    return root / namespace / name[0:2] / name[2:4] / name[4:6] / name[6:8]
+
+
+# --------------------------------------------------------------------------
+# The sweeper alone, on files laid out as vineyard lays them out.
+# --------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used_down_to_low_water(tmp_path: Path) -> None:
+    """Over the high-water mark, the oldest chunks (by last use, across
+    namespaces) go first until usage is at most the low-water mark; the
+    gauges report what is left."""
+    now = time.time()
+    paths = [
+        put_file(chunk_path(tmp_path, i, f"ns{i % 3}"), now - 1000 + 10 * i)
+        for i in range(20)
+    ]
+    s = sweeper(tmp_path, limit_chunks=10)
+    s.sweep(now)
+    kept = [p.exists() for p in paths]
+    # 20 chunks over a budget of 10: down to 8.5 -> the 12 oldest go.
+    assert kept == [False] * 12 + [True] * 8
+    stats = s.take_stats()
+    assert stats["evicted_chunks"] == 12
+    assert stats["root_chunks"] == 8
+    assert stats["root_bytes"] == 8 * CHUNK_BYTES <= LOW_WATER * 10 * CHUNK_BYTES
+    # Within the budget (even above the low-water mark): nothing goes.
+    put_file(chunk_path(tmp_path, 100), now)
+    s.sweep(now)
+    assert s.take_stats()["evicted_chunks"] == 0
+    assert len(chunk_files(tmp_path)) == 9
+
+
+def test_same_use_evicts_the_tail_of_a_prefix_first(tmp_path: Path) -> None:
+    """Chunks used in the same second (one write, one hit) go longest file
+    first: in a namespace the later chunks of a prefix are the longer files
+    (they hold more ids), so what is left is still a usable prefix."""
+    now = time.time()
+    # Written in order within one second: the first chunk is the oldest.
+    chunks = [
+        put_file(chunk_path(tmp_path, i), int(now) + 0.1 * i, CHUNK_BYTES + 8 * i)
+        for i in range(4)
+    ]
+    # Over a budget of a bit more than three: the longest one goes.
+    budget = sum(disk_bytes(p) for p in chunks[:3]) / LOW_WATER
+    RootSweeper(str(tmp_path), int(budget) + 100, 0.0, 3600.0).sweep(now)
+    assert [p.exists() for p in chunks] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, 600.0])
+def test_expiry_counts_from_last_use(tmp_path: Path, ttl_s: float) -> None:
+    """A chunk expires ``ttl`` after its last use whoever wrote it; one used
+    recently stays however old it is; ``ttl = 0`` never expires."""
+    now = time.time()
+    used = put_file(chunk_path(tmp_path, 1), now - LONG_AGO)
+    unused = put_file(chunk_path(tmp_path, 2), now - LONG_AGO)
+    age(used, now - 10)  # a hit, long after the write
+    s = sweeper(tmp_path, ttl_s=ttl_s)
+    s.sweep(now)
+    assert used.exists()
+    assert unused.exists() == (ttl_s == 0)
+    assert s.take_stats()["expired_chunks"] == (0 if ttl_s == 0 else 1)
+    s.sweep(now + 1e9)  # far in the future: with ttl 0 still nothing
+    assert used.exists() == (ttl_s == 0)
+
+
+def test_temp_leftovers_and_placeholders(tmp_path: Path) -> None:
+    """Temp files older than the bound (a writer that died mid-write) and
+    old empty placeholders at chunk paths are removed; young ones are live
+    writes and stay. Nothing in ``__temp`` counts as a chunk."""
+    now = time.time()
+    temp = tmp_path / "ns" / TEMP_DIR / "pod-1"
+    old_temp = put_file(temp / "11-1" / "aa" / "bb" / "cc", now - TEMP_MAX_AGE_S - 5)
+    young_temp = put_file(temp / "11-2" / "aa" / "bb" / "dd", now - 5)
+    old_empty = put_file(chunk_path(tmp_path, 1), now - TEMP_MAX_AGE_S - 5, 0)
+    young_empty = put_file(chunk_path(tmp_path, 2), now - 5, 0)
+    chunk = put_file(chunk_path(tmp_path, 3), now - LONG_AGO)
+    s = sweeper(tmp_path, limit_chunks=1.5)  # the one chunk fits
+    s.sweep(now)
+    assert not old_temp.exists() and not old_empty.exists()
+    assert young_temp.exists() and young_empty.exists() and chunk.exists()
+    stats = s.take_stats()
+    assert stats["orphans_removed"] >= 2
+    assert stats["root_chunks"] == 1 and stats["evicted_chunks"] == 0
+
+
+def test_empty_directories(tmp_path: Path) -> None:
+    """Empty folder trees older than the bound go in one sweep (vineyard
+    leaves one per write under ``__temp``); young ones and folders that
+    hold anything stay; the root itself always stays."""
+    now = time.time()
+    old_tree = tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-1" / "aa" / "bb"
+    young_tree = tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-2" / "aa" / "bb"
+    other_ns = tmp_path / "other" / "aa" / "bb" / "cc"
+    for d in (old_tree, young_tree, other_ns):
+        d.mkdir(parents=True)
+    chunk = put_file(chunk_path(tmp_path, 7), now)
+    age_tree(tmp_path, now - 2 * EMPTY_DIR_MIN_AGE_S)
+    age(chunk, now)
+    age(young_tree, now - 1)
+    young_parent = young_tree.parent
+    age(young_parent, now - 1)
+    s = sweeper(tmp_path)
+    s.sweep(now)
+    assert not (tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-1").exists()
+    assert not (tmp_path / "other").exists()  # a whole empty namespace
+    assert young_tree.exists() and chunk.exists()
+    assert s.take_stats()["orphans_removed"] == 3 + 4  # 11-1/aa/bb, other/...
+    # Everything gone and old: the root stays (the writers' mkdir target).
+    chunk.unlink()
+    s.sweep(now + 10 * TEMP_MAX_AGE_S)
+    assert tmp_path.is_dir() and os.listdir(tmp_path) == []
+
+
+def test_two_sweepers_at_once_keep_live_data(tmp_path: Path) -> None:
+    """Two sweepers (two instances) on one root, sweeping over and over
+    while a writer adds chunks: neither fails, every removal is counted
+    once, the recently used chunks (within the budget) all survive, and
+    the root ends within budget."""
+    now = time.time()
+    old = [put_file(chunk_path(tmp_path, i), now - LONG_AGO + i) for i in range(150)]
+    for i in range(0, 150, 3):  # empty leftovers to race on, too
+        (tmp_path / "ns" / TEMP_DIR / f"p{i}" / "aa").mkdir(parents=True)
+    age_tree(tmp_path / "ns" / TEMP_DIR, now - LONG_AGO)
+    sweepers = [sweeper(tmp_path, limit_chunks=40) for _ in range(2)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def run(s: RootSweeper) -> None:
+        try:
+            while not stop.is_set():
+                s.sweep()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in sweepers]
+    for t in threads:
+        t.start()
+    new = []
+    for i in range(30):  # live writes: the most recently used chunks
+        new.append(put_file(chunk_path(tmp_path, 1000 + i), time.time()))
+        time.sleep(0.005)
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert all(p.exists() for p in new)
+    gone = sum(not p.exists() for p in old)
+    stats = [s.take_stats() for s in sweepers]
+    assert sum(st["evicted_chunks"] for st in stats) == gone
+    left = len(chunk_files(tmp_path))
+    assert left * CHUNK_BYTES <= HIGH_WATER * 40 * CHUNK_BYTES
+    assert not (tmp_path / "ns" / TEMP_DIR / "p0").exists()
+
+
+# --------------------------------------------------------------------------
+# With chunks a real cache wrote (vineyard's own layout, real hits).
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[Harness]:
+    """A real cache whose own sweeper stays out of the way."""
+    h = open_cache(tmp_path / "root", sweep_interval_s=3600.0, disk_limit_gb=1000.0)
+    yield h
+    h.cache.close()
+
+
+def prefixes(n: int, seed: int, num_chunks: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(1, 32000) for _ in range(num_chunks * CHUNK_SIZE + 1)]
+        for _ in range(n)
+    ]
+
+
+def chunk_paths(h: Harness, tokens: list[int], num_chunks: int = 4) -> list[str]:
+    return [h.chunk_path(tokens, c) for c in range(num_chunks)]
+
+
+def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
+    """A budget of 12 chunks; a hot and a cold prefix (4 chunks each),
+    written long ago; then 10 rounds each writing a new prefix (written
+    later than the last) and loading the hot one (a verified hit marks its
+    chunks used), and a sweep. The hot prefix is loaded whole every time,
+    however old its write; the cold one is evicted first."""
+    h = cache
+    root = Path(h.cache.config.root)
+    hot, cold, *news = prefixes(12, seed=1)
+    start = time.time() - LONG_AGO
+    for tokens in (cold, hot):
+        h.write(tokens)
+        for p in chunk_paths(h, tokens):
+            age(p, start)
+    chunk_bytes = disk_bytes(chunk_paths(h, hot)[0])
+    s = RootSweeper(str(root), 12 * chunk_bytes + chunk_bytes // 2, 0.0, 3600.0)
+    evicted = 0
+    for r, tokens in enumerate(news[:10]):
+        h.write(tokens)
+        for p in chunk_paths(h, tokens):
+            age(p, start + 100 * (r + 1))  # a later write than the last one
+        assert h.load(hot) == 4 * CHUNK_SIZE  # verified and bit-exact
+        s.sweep()
+        evicted += s.take_stats()["evicted_chunks"]
+        assert len(chunk_files(root)) <= 12
+    assert all(os.path.exists(p) for p in chunk_paths(h, hot))
+    assert not any(os.path.exists(p) for p in chunk_paths(h, cold))
+    assert h.load(cold) == 0
+    assert evicted == 2 * 4 + 10 * 4 - len(chunk_files(root))
+    # The last prefixes written are cached as well.
+    assert h.load(news[9]) == 4 * CHUNK_SIZE
+
+
+def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
+    """Evicting chunk 1 of 4 leaves chunks 2 and 3 on disk but unreachable:
+    the lookup stops at the gap, a load loads chunk 0 only (verified, and
+    counted as a short load), nothing past the gap is read; writing the
+    prefix again fills the gap and it loads whole again."""
+    h = cache
+    (tokens,) = prefixes(1, seed=2)
+    h.write(tokens)
+    paths = chunk_paths(h, tokens)
+    now = time.time()
+    for p in paths:
+        age(p, now)
+    age(paths[1], now - 100)  # the least recently used
+    total = sum(disk_bytes(p) for p in paths)
+    RootSweeper(h.cache.config.root, total, 0.0, 3600.0).sweep(now)
+    assert [os.path.exists(p) for p in paths] == [True, False, True, True]
+
+    lookup = VineyardCacheLookup(h.cache.config, [h.cache.layout])
+    assert lookup.lookup(h.digests(tokens), 0, len(tokens)) == (32, 32)
+    h.reset_counters()
+    assert h.load(tokens) == CHUNK_SIZE
+    counters = h.counters()
+    assert counters["loaded_tokens"] == CHUNK_SIZE
+    assert counters["load_errors"] == 1 and counters["corrupt_chunks"] == 0
+
+    h.write(tokens)
+    assert h.load(tokens) == 4 * CHUNK_SIZE
+
+
+def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None:
+    """Everything expired and every empty folder removed, the namespace's
+    included: the cache root stays, and vineyard writes into it again (it
+    recreates the folders) and loads what it wrote."""
+    h = cache
+    root = h.cache.config.root
+    first, second = prefixes(2, seed=3)
+    h.write(first)
+    later = time.time() + 10 * TEMP_MAX_AGE_S
+    s = RootSweeper(root, 1 << 40, ttl_s=60.0, interval_s=3600.0)
+    s.sweep(later)  # the chunks expire ...
+    assert chunk_files(root) == []
+    s.sweep(later)  # ... and the folders they leave go the next pass
+    assert os.path.isdir(root) and os.listdir(root) == []
+    assert not os.path.exists(h.files.root)
+    h.reset_counters()
+    h.write(second)
+    counters = h.counters()
+    assert counters["write_errors"] == 0 and counters["updates_failed"] == 0
+    assert h.load(second) == 4 * CHUNK_SIZE
+    assert h.load(first) == 0
