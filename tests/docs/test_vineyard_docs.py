@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The user documentation of the vineyard cache agrees with the code: the
-environment variable table with ``ENV_VARS`` and the metrics table with
-``COUNTERS`` / ``HISTOGRAMS``, in both directions."""
+settings table with ``ENV_VARS`` (:mod:`vineyard_config`) and the metrics
+table with ``COUNTERS`` / ``GAUGES`` / ``HISTOGRAMS``
+(:mod:`vineyard_metrics`), in both directions."""
 
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from vllm.worker.vineyard_llm_cache import COUNTERS, ENV_VARS, HISTOGRAMS
+from vllm.worker.vineyard_config import ENV_VARS, VineyardLLMCacheConfig
+from vllm.worker.vineyard_metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    METRIC_PREFIX,
+    histogram_metric_name,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "source"
 FEATURE_PAGE = DOCS / "features" / "vineyard_llm_cache.md"
-METRIC_PREFIX = "vllm:vineyard_cache_"
 
 
 def _table(header: list[str]) -> list[list[str]]:
@@ -70,11 +77,16 @@ def test_no_doc_only_env_var(env_rows: dict[str, list[str]]) -> None:
     assert not extra, f"in {FEATURE_PAGE.name} but not in ENV_VARS: {extra}"
 
 
+def _documented_default(cell: str) -> str:
+    """A Default cell: one code span, or ``(empty)`` for an empty string."""
+    return "" if cell == "(empty)" else _code(cell)
+
+
 def test_env_var_defaults_match(env_rows: dict[str, list[str]]) -> None:
     wrong = {
-        name: (_code(row[1]), ENV_VARS[name].default)
+        name: (row[1], ENV_VARS[name].default)
         for name, row in env_rows.items()
-        if name in ENV_VARS and _code(row[1]) != ENV_VARS[name].default
+        if name in ENV_VARS and _documented_default(row[1]) != ENV_VARS[name].default
     }
     assert not wrong, f"documented vs code default: {wrong}"
 
@@ -85,20 +97,47 @@ def test_env_var_rows_are_filled(env_rows: dict[str, list[str]]) -> None:
 
 
 def test_env_var_defaults_are_valid() -> None:
-    # What the docs call the default must also parse.
+    """What the table calls the default is what an empty environment
+    gives: each raw default parses to the config's default value."""
+    defaults = VineyardLLMCacheConfig()
+    assert VineyardLLMCacheConfig.from_env(environ={}) == defaults
     for name, var in ENV_VARS.items():
-        var.parse(name, var.default)
+        parsed = VineyardLLMCacheConfig.from_env(environ={name: var.default})
+        assert parsed == defaults, f"{name}={var.default!r} is not the default"
+
+
+def test_every_setting_has_an_allowed_text(env_rows: dict[str, list[str]]) -> None:
+    """The Allowed column says at least what the code's error messages say
+    is allowed (the code's text may be shortened, not contradicted)."""
+    assert set(ENV_VARS) == set(env_rows)
+    for name, var in ENV_VARS.items():
+        assert var.allowed and var.help, f"{name}: allowed/help missing in code"
+
+
+def _metric_rows() -> dict[str, str]:
+    rows = _table(["Metric", "Type", "Meaning"])
+    documented: dict[str, str] = {}
+    for row in rows:
+        assert len(row) == 3 and row[2], f"malformed row {row}"
+        name = _code(row[0])
+        assert name not in documented, f"{name} documented twice"
+        documented[name] = row[1]
+    return documented
 
 
 def test_metrics_table_matches_code() -> None:
-    rows = _table(["Metric", "Type", "Meaning"])
-    documented = {_code(row[0]): row[1] for row in rows}
+    """Every counter, gauge and histogram is documented with its type, and
+    nothing else is."""
     expected = {METRIC_PREFIX + name: "counter" for name in COUNTERS}
-    expected |= {
-        f"{METRIC_PREFIX}{name.removesuffix('_s')}_seconds": "histogram"
-        for name in HISTOGRAMS
-    }
-    assert documented == expected
+    expected |= {METRIC_PREFIX + name: "gauge" for name in GAUGES}
+    expected |= {histogram_metric_name(name): "histogram" for name in HISTOGRAMS}
+    documented = _metric_rows()
+    missing = sorted(set(expected) - set(documented))
+    extra = sorted(set(documented) - set(expected))
+    assert not missing, f"in the code but not in {FEATURE_PAGE.name}: {missing}"
+    assert not extra, f"in {FEATURE_PAGE.name} but not in the code: {extra}"
+    wrong = {n: (documented[n], t) for n, t in expected.items() if documented[n] != t}
+    assert not wrong, f"documented vs code type: {wrong}"
 
 
 def test_feature_page_is_linked_and_complete() -> None:
