@@ -52,7 +52,7 @@ def _module_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheHarn
 
 
 def _fresh(harness: CacheHarness) -> CacheHarness:
-    assert harness.cache.wait_for_updates(30.0)
+    harness.wait()
     harness.reset_counters()
     return harness
 

@@ -20,8 +20,6 @@ from vineyard_cache_testing import (
     same_bits,
 )
 
-from vllm.worker.vineyard_llm_cache import SaveRequest
-
 # A sequence of five whole chunks and a partial one.
 SEQ_CHUNKS = 5
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 7
@@ -35,7 +33,7 @@ def save_sequence(
 ) -> list[int]:
     """Save a request whose KV sits in blocks from SRC_BLOCK; returns them."""
     blocks = h.blocks_for(SRC_BLOCK, len(tokens))
-    h.save_all([SaveRequest(req_id, tokens, num_computed, blocks)])
+    h.save_all([h.request(req_id, tokens, num_computed, blocks)])
     h.cache.release(req_id)
     return blocks
 
@@ -58,21 +56,21 @@ def check_loaded(
 def test_round_trip_is_bit_identical(request: pytest.FixtureRequest, cache: str):
     h: CacheHarness = request.getfixturevalue(cache)
     tokens = make_tokens(SEQ_LEN)
-    files_before = len(chunk_files(h.cache.root))
+    files_before = len(chunk_files(h.root))
     src = save_sequence(h, tokens, SEQ_LEN)
     counters = h.counters()
     assert counters["tokens_written"] == CACHED  # the partial chunk is not saved
     assert counters["tokens_rejected"] == counters["updates_failed"] == 0
     # The buffer holds 4 chunks: two tasks.
     assert counters["updates_completed"] == 2
-    assert len(chunk_files(h.cache.root)) - files_before == SEQ_CHUNKS
+    assert len(chunk_files(h.root)) - files_before == SEQ_CHUNKS
 
-    assert h.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    assert h.lookup(tokens, 0) == (CACHED, CACHED)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     n = CACHED // h.block_size
     before = h.kv.clone()
     assert not same_bits(before[:, dst[:n]], before[:, src[:n]])  # can fail
-    assert h.cache.load(tokens, 0, CACHED, dst) == CACHED
+    assert h.load(tokens, 0, CACHED, dst) == CACHED
     check_loaded(h, before, src[:n], dst[:n])
     counters = h.counters()
     assert counters["loaded_tokens"] == CACHED
@@ -90,7 +88,7 @@ def test_load_from_a_block_boundary(small_cache_bf16: CacheHarness, start: int):
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     first, n = start // h.block_size, CACHED // h.block_size
     before = h.kv.clone()
-    assert h.cache.load(tokens, start, CACHED, dst) == CACHED
+    assert h.load(tokens, start, CACHED, dst) == CACHED
     check_loaded(h, before, src[first:n], dst[first:n])
     counters = h.counters()
     assert counters["loaded_tokens"] == CACHED - start
@@ -110,13 +108,13 @@ def test_lookup_stops_where_the_prefix_diverges(
     other = list(tokens)
     other[diverge_at] = (other[diverge_at] + 1) % 32000
     common = diverge_at // CHUNK_SIZE * CHUNK_SIZE  # whole common chunks
-    assert h.cache.lookup(other, 0) == (common, common)
+    assert h.lookup(other, 0) == (common, common)
     assert h.counters()["hit_tokens"] == common
     # Loading it gives exactly the common chunks, nothing of the rest.
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     before = h.kv.clone()
     n = common // h.block_size
-    assert h.cache.load(other, 0, common, dst) == common
+    assert h.load(other, 0, common, dst) == common
     check_loaded(h, before, src[:n], dst[:n])
     assert h.counters()["load_errors"] == 0
 
@@ -138,21 +136,23 @@ def test_lookup_returns_only_tokens_beyond_the_local_hit(
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
     save_sequence(h, tokens, SEQ_LEN)
-    assert h.cache.lookup(tokens, num_local) == expected
+    assert h.lookup(tokens, num_local) == expected
     counters = h.counters()
     assert counters["hit_tokens"] == expected[0]
     assert counters["query_tokens"] == max(0, CACHED - num_local)
 
 
-def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_the_start(
+def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_its_end(
     small_cache: CacheHarness,
 ):
+    """``save_from`` is the end of what vineyard holds, also when vLLM's
+    local hit reaches further: the chunks vineyard lacks are saved."""
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
     save_sequence(h, tokens, 2 * CHUNK_SIZE)  # two chunks only
-    assert h.cache.lookup(tokens, 2 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
-    # The local hit's last chunk is not in vineyard: save it all.
-    assert h.cache.lookup(tokens, 3 * CHUNK_SIZE) == (0, 0)
+    assert h.lookup(tokens, 2 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
+    assert h.lookup(tokens, 3 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
+    assert h.lookup(tokens, 0) == (2 * CHUNK_SIZE, 2 * CHUNK_SIZE)
 
 
 def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
@@ -160,8 +160,8 @@ def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
     tokens = make_tokens(CACHED)  # exactly whole chunks
     save_sequence(h, tokens, CACHED)
     assert h.counters()["tokens_written"] == CACHED
-    assert h.cache.lookup(tokens, 0) == (CACHED - CHUNK_SIZE, CACHED - CHUNK_SIZE)
-    assert h.cache.lookup(tokens + [7], 0) == (CACHED, CACHED)
+    assert h.lookup(tokens, 0) == (CACHED - CHUNK_SIZE, CACHED - CHUNK_SIZE)
+    assert h.lookup(tokens + [7], 0) == (CACHED, CACHED)
 
 
 def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):
@@ -170,14 +170,14 @@ def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):
     length = 4 * MAX_NUM_BATCHED_TOKENS + 1
     tokens = make_tokens(length)
     src = h.blocks_for(0, length)
-    h.save_all([SaveRequest("long", tokens, length, src)])
+    h.save_all([h.request("long", tokens, length, src)])
     assert h.counters()["updates_completed"] == 4
     total = length - 1
-    assert h.cache.lookup(tokens, 0) == (total, total)
+    assert h.lookup(tokens, 0) == (total, total)
     dst = h.blocks_for(80, length)
     before = h.kv.clone()
     n = total // h.block_size
-    assert h.cache.load(tokens, 0, total, dst) == total
+    assert h.load(tokens, 0, total, dst) == total
     check_loaded(h, before, src[:n], dst[:n])
 
 
@@ -192,7 +192,7 @@ def test_short_load_returns_the_shorter_end_and_counts_an_error(
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     before = h.kv.clone()
     # Promised (e.g. by a lookup that raced an eviction): all five chunks.
-    assert h.cache.load(tokens, 0, CACHED, dst) == saved
+    assert h.load(tokens, 0, CACHED, dst) == saved
     n = saved // h.block_size
     check_loaded(h, before, src[:n], dst[:n])
     counters = h.counters()
@@ -207,8 +207,9 @@ def test_short_load_returns_the_shorter_end_and_counts_an_error(
         {"dtype": torch.bfloat16},
         {"block_size": 32, "num_blocks": 80},
         {"kv_layout": "FLASH_ATTN"},
+        {"chunk_size": 2 * CHUNK_SIZE},
     ],
-    ids=["model", "dtype", "block_size", "kv_layout"],
+    ids=["model", "dtype", "block_size", "kv_layout", "chunk_size"],
 )
 def test_namespaces_do_not_see_each_other(
     small_cache: CacheHarness, make_cache: CacheFactory, differs: dict[str, object]
@@ -216,20 +217,23 @@ def test_namespaces_do_not_see_each_other(
     """Two layouts on the same root never share chunks."""
     first = small_cache
     other = make_cache(root=Path(first.config.root), seed=2, **differs)
-    assert first.cache.root != other.cache.root
+    assert first.root != other.root
 
     tokens = make_tokens(SEQ_LEN)
     src = save_sequence(first, tokens, SEQ_LEN)
-    assert other.cache.lookup(tokens, 0) == (0, 0)
+    assert other.lookup(tokens, 0) == (0, 0)
+
+    assert other.load(tokens, 0, CACHED, other.blocks_for(0, SEQ_LEN)) == 0
 
     # The other namespace writes the same tokens; each reads its own bytes.
     save_sequence(other, tokens, SEQ_LEN)
-    assert other.counters()["tokens_written"] == CACHED
-    assert other.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    other_cached = SEQ_LEN // other.chunk_size * other.chunk_size
+    assert other.counters()["tokens_written"] == other_cached
+    assert other.lookup(tokens, 0) == (other_cached, other_cached)
     n = CACHED // first.block_size
     dst = first.blocks_for(DST_BLOCK, SEQ_LEN)
     before = first.kv.clone()
-    assert first.cache.load(tokens, 0, CACHED, dst) == CACHED
+    assert first.load(tokens, 0, CACHED, dst) == CACHED
     check_loaded(first, before, src[:n], dst[:n])
     assert first.counters()["tokens_rejected"] == 0
 
@@ -240,35 +244,11 @@ def test_same_layout_on_the_same_root_shares_chunks(
     """Another instance of the same model (same layout, same root) loads what
     this one saved: the namespace is deterministic."""
     twin = make_cache(root=Path(small_cache.config.root), seed=5)
-    assert twin.cache.root == small_cache.cache.root
+    assert twin.root == small_cache.root
     tokens = make_tokens(SEQ_LEN)
     src = save_sequence(small_cache, tokens, SEQ_LEN)
-    assert twin.cache.lookup(tokens, 0) == (CACHED, CACHED)
+    assert twin.lookup(tokens, 0) == (CACHED, CACHED)
     dst = twin.blocks_for(DST_BLOCK, SEQ_LEN)
-    assert twin.cache.load(tokens, 0, CACHED, dst) == CACHED
+    assert twin.load(tokens, 0, CACHED, dst) == CACHED
     n = CACHED // twin.block_size
     assert same_bits(twin.kv[:, dst[:n]], small_cache.kv[:, src[:n]])
-
-
-@pytest.mark.parametrize("cached_chunks", [0, 1, 7, 12, 15, 16])
-def test_lookup_reads_single_chunks_by_binary_search(
-    small_cache: CacheHarness, monkeypatch: pytest.MonkeyPatch, cached_chunks: int
-):
-    """A lookup must not read the whole cached prefix (a hit would cost two
-    full reads): it reads one chunk at a time, O(log n) of them."""
-    h = small_cache
-    num_chunks = 16
-    tokens = make_tokens(num_chunks * CHUNK_SIZE + 1)
-    if cached_chunks:
-        save_sequence(h, tokens, cached_chunks * CHUNK_SIZE)
-    reads: list[int] = []
-    real_call = h.cache._reader.call
-
-    def record(*request, **kwargs):
-        reads.append(len(request[3]))
-        return real_call(*request, **kwargs)
-
-    monkeypatch.setattr(h.cache._reader, "call", record)
-    assert h.cache.lookup(tokens, 0) == (cached_chunks * CHUNK_SIZE,) * 2
-    assert set(reads) == {CHUNK_SIZE}
-    assert len(reads) <= 2 + num_chunks.bit_length()

@@ -3,7 +3,8 @@
 """Asynchronous updates through the real backend: issue order under a burst,
 skipping (never blocking) when the pool is saturated and resuming later,
 draining at shutdown, and a bounded shutdown that leaks nothing when the
-backend is stalled."""
+backend is stalled (stopped by pid with SIGSTOP: the product has no test
+hooks)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 from vineyard_cache_testing import (
     CHUNK_SIZE,
     LARGE_CACHE,
     LARGE_STEP_TOKENS,
-    MAX_NUM_BATCHED_TOKENS,
     CacheFactory,
     CacheHarness,
     chunk_files,
@@ -30,7 +32,11 @@ from vineyard_cache_testing import (
 )
 
 from vllm.worker.vineyard_backend import BackendError, BackendProcess
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard_llm_cache import SaveRequest
+from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_store import extend_digests
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,10 +46,11 @@ class Sequence:
     req_id: str
     tokens: list[int]
     blocks: list[int]
+    digests: list[bytes]
     computed: int = 0
 
     def request(self) -> SaveRequest:
-        return SaveRequest(self.req_id, self.tokens, self.computed, self.blocks)
+        return SaveRequest(self.req_id, self.digests, self.computed, self.blocks)
 
 
 def make_sequences(
@@ -54,14 +61,16 @@ def make_sequences(
     length = num_chunks * h.chunk_size + extra_tokens
     blocks_each = -(-length // h.block_size)
     assert count * blocks_each <= h.kv.shape[1]
-    return [
-        Sequence(f"seq{i}", make_tokens(length), h.blocks_for(i * blocks_each, length))
-        for i in range(count)
-    ]
+    seqs = []
+    for i in range(count):
+        tokens = make_tokens(length)
+        blocks = h.blocks_for(i * blocks_each, length)
+        seqs.append(Sequence(f"seq{i}", tokens, blocks, h.digests(tokens)))
+    return seqs
 
 
 def cached_tokens(h: CacheHarness, seq: Sequence) -> int:
-    return h.cache.lookup(seq.tokens, 0)[0]
+    return h.lookup(seq.tokens)[0]
 
 
 def whole_chunks(seq: Sequence, chunk: int) -> int:
@@ -75,7 +84,6 @@ def test_burst_from_several_sequences_keeps_issue_order(make_cache: CacheFactory
     rejected tokens and missing chunks."""
     h = make_cache(max_inflight_tasks=4)
     cache = h.cache
-    assert cache.pool is not None
     rng = random.Random(0)
     seqs = make_sequences(h, 4, num_chunks=8, extra_tokens=5)
     max_in_flight = 0
@@ -100,57 +108,90 @@ def test_burst_from_several_sequences_keeps_issue_order(make_cache: CacheFactory
     assert counters["updates_failed"] == 0
     assert counters["tokens_written"] == 4 * full
     assert counters["updates_submitted"] == counters["updates_completed"]
-    assert len(chunk_files(cache.root)) == 4 * full // CHUNK_SIZE
+    assert len(chunk_files(h.root)) == 4 * full // CHUNK_SIZE
+
+
+def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
+    """Run ``fn`` in a thread; fail if it has not returned within
+    ``timeout_s`` (generous: this proves it does not block, not that it is
+    fast)."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"blocked for more than {timeout_s} s"
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 @pytest.mark.parametrize("slow", ["stalled-backend", "large-kv"])
 def test_saturation_skips_without_blocking_and_resumes_later(
     make_cache: CacheFactory, slow: str
 ):
-    """With one buffer and writes slower than the steps, save() skips (and
-    counts) instead of waiting; the resume point saves the skipped chunks
-    with a later save()."""
-    pid: int | None = None  # of the stalled backend
+    """With one buffer and a write that does not finish (the writer is
+    stopped, before the write or in the middle of a 32 MiB one), save()
+    skips (and counts) instead of waiting; the resume point saves the
+    skipped chunks with a later save().
+
+    "Does not wait" is proved without timing: the saves run while the
+    writer is stopped and the backend timeout is long, so a save that
+    waited for the write would not return within the (generous) deadline.
+    """
+    timeout_s = 120.0  # the backend's: far beyond the deadline below
     if slow == "large-kv":
         h = make_cache(
             **LARGE_CACHE,
             num_blocks=4 * LARGE_STEP_TOKENS // 16 + 8,
             max_inflight_tasks=1,
             metrics_enabled=True,
+            backend_timeout_s=timeout_s,
         )
         # Each step completes one chunk of each of four sequences: a full
         # buffer (32 MiB) per step.
         seqs = make_sequences(h, 4, num_chunks=4)
     else:
-        h = make_cache(max_inflight_tasks=1, metrics_enabled=True)
+        h = make_cache(
+            max_inflight_tasks=1, metrics_enabled=True, backend_timeout_s=timeout_s
+        )
         seqs = make_sequences(h, 4, num_chunks=6)
-        assert h.cache._writer is not None
-        pid = h.cache._writer.pid
-        assert pid is not None
-        stop_process(pid)
     cache = h.cache
+    writer = cache._writer
+    assert writer is not None
+    pid = h.pid("write")
+    if slow == "stalled-backend":
+        stop_process(pid)
     steps = len(seqs[0].tokens) // h.chunk_size
-    save_s = []
-    for _ in range(steps):
+
+    def step() -> bool:
         for s in seqs:
             s.computed += h.chunk_size
-        t0 = time.perf_counter()
-        cache.save([s.request() for s in seqs])
-        save_s.append(time.perf_counter() - t0)
-    if pid is not None:
-        time.sleep(0.5)  # the one write in flight takes at least this long
-        os.kill(pid, signal.SIGCONT)
-    h.wait()
-    write_s = cache.metrics.take()["update_exec_s"]
-    assert len(write_s) == 1
+        return cache.save([s.request() for s in seqs])
+
+    assert call_with_deadline(step, 30.0)  # takes the only buffer
+    if slow == "large-kv":
+        # Stop the writer once it has the update (mid-write, or about to).
+        assert wait_until(lambda: writer._in_flight == "update")
+        stop_process(pid)
+    for _ in range(steps - 1):
+        assert not call_with_deadline(step, 30.0)
+    assert cache.pool.num_in_flight == 1
     counters = h.counters()
     assert counters["updates_submitted"] == 1
     assert counters["updates_skipped"] == steps - 1
-    # No save waited for the write: the skipped ones return at once; the
-    # first one only copies its KV into the buffer (32 MiB for large-kv).
-    assert max(save_s[1:]) < min(0.01, write_s[0] / 20), (save_s, write_s)
-    if slow == "stalled-backend":
-        assert save_s[0] < 0.1 < 0.5 <= write_s[0], (save_s, write_s)
+    assert counters["updates_completed"] == 0  # the write is still stuck
+    os.kill(pid, signal.SIGCONT)
+    h.wait()
+    assert len(cache.metrics.take()["update_exec_s"]) == 1
+    assert h.counters()["updates_completed"] == 1
 
     # Only the first step's chunks are in; the rest resumes with later saves.
     for s in seqs:
@@ -170,7 +211,8 @@ def test_sync_update_returns_after_the_write(make_cache: CacheFactory):
     (seq,) = make_sequences(h, 1, num_chunks=3)
     seq.computed = 3 * CHUNK_SIZE
     assert cache.save([seq.request()])
-    assert cache.pool is not None and cache.pool.num_in_flight == 0
+    # Written when save() returns: no waiting here.
+    assert cache.pool.num_in_flight == 0
     assert h.counters()["updates_completed"] == 1
     assert cached_tokens(h, seq) == 3 * CHUNK_SIZE
 
@@ -185,41 +227,42 @@ def test_close_writes_pending_updates(make_cache: CacheFactory):
     counters = h.counters()
     assert counters["updates_completed"] == counters["updates_submitted"] == 4
     assert counters["updates_dropped"] == 0
-    # Another instance on the same root (here a lookup-only one, as the
-    # scheduler has) finds all of it.
-    lookups = VineyardLLMCache(h.config, h.layout, MAX_NUM_BATCHED_TOKENS)
-    try:
-        for s in seqs:
-            assert lookups.lookup(s.tokens, 0) == (4 * CHUNK_SIZE, 4 * CHUNK_SIZE)
-    finally:
-        lookups.close()
+    # Another instance's scheduler (a lookup of the same namespace) finds
+    # all of it.
+    lookups = VineyardCacheLookup(h.config, [h.layout])
+    for s in seqs:
+        digests = extend_digests([], s.tokens, h.block_size)
+        assert lookups.lookup(digests, 0, len(s.tokens)) == (4 * CHUNK_SIZE,) * 2
 
 
-@pytest.mark.parametrize("stall", ["sleep-request", "sigstop"])
+@pytest.mark.parametrize("stall", ["stopped", "stopped-with-a-call-in-flight"])
 def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
     make_cache: CacheFactory, stall: str
 ):
+    """close() with the writer stopped (SIGSTOP) and every buffer in
+    flight: bounded by the drain timeout, not the (long) backend timeout;
+    buffers, the updater thread and both processes are gone. With a call
+    of another thread in flight (holding the backend's lock while it waits
+    for the answer), close() must not wait for that call either."""
     drain_s = 0.5
     h = make_cache(
         max_inflight_tasks=4, drain_timeout_s=drain_s, backend_timeout_s=30.0
     )
     cache = h.cache
-    writer, pool, updater = cache._writer, cache.pool, cache._updater
-    assert writer is not None and pool is not None and updater is not None
-    procs = [p for p in (cache._reader._proc, writer._proc) if p is not None]
+    reader, writer = cache._reader, cache._writer
+    pool, updater = cache.pool, cache._updater
+    assert reader is not None and writer is not None and updater is not None
+    procs = [p for p in (reader._proc, writer._proc) if p is not None]
     assert len(procs) == 2
+    stop_process(h.pid("write"))
 
-    sleeper_errors: list[Exception] = []
-    sleeper = threading.Thread(
-        target=lambda: _sleep_in_backend(writer, sleeper_errors), daemon=True
+    caller_errors: list[Exception] = []
+    caller = threading.Thread(
+        target=lambda: _call_stats(writer, caller_errors), daemon=True
     )
-    if stall == "sleep-request":
-        # The writer is busy with a 30 s request: every write waits behind it.
-        sleeper.start()
-        assert wait_until(writer._lock.locked)
-    else:
-        assert writer.pid is not None
-        stop_process(writer.pid)
+    if stall == "stopped-with-a-call-in-flight":
+        caller.start()
+        assert wait_until(lambda: writer._in_flight == "stats")
 
     seqs = make_sequences(h, 4, num_chunks=3)
     for _ in range(3):
@@ -234,7 +277,8 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
     t0 = time.perf_counter()
     cache.close()
     elapsed = time.perf_counter() - t0
-    assert elapsed < drain_s + 2.5, f"close() took {elapsed:.1f} s"
+    # Far below the 30 s backend timeout that an unbounded close would wait.
+    assert elapsed < drain_s + 10.0, f"close() took {elapsed:.1f} s"
 
     # Nothing leaks: buffers, thread, processes.
     assert pool.num_in_flight == 0
@@ -248,18 +292,18 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
     assert counters["updates_submitted"] == 4
     assert counters["updates_failed"] + counters["updates_dropped"] == 4
     assert counters["updates_dropped"] >= 3
-    if stall == "sleep-request":
-        sleeper.join(5.0)
-        assert not sleeper.is_alive()
-        assert len(sleeper_errors) == 1
-    # A lookup after close misses, without an exception.
-    assert cache.lookup(seqs[0].tokens, 0) == (0, 0)
+    if stall == "stopped-with-a-call-in-flight":
+        caller.join(5.0)
+        assert not caller.is_alive()
+        assert len(caller_errors) == 1
+    # A load after close is a short load, without an exception.
+    assert h.load(seqs[0].tokens, 0, CHUNK_SIZE, seqs[0].blocks) == 0
 
 
-def _sleep_in_backend(writer: BackendProcess, errors: list[Exception]) -> None:
-    """Keep the backend busy with a 30 s request (its "sleep" test hook)."""
+def _call_stats(writer: BackendProcess, errors: list[Exception]) -> None:
+    """A call that the stopped writer never answers (until it is killed)."""
     try:
-        writer.call("sleep", 30.0, timeout_s=60.0)
+        writer.call("stats", timeout_s=60.0)
     except BackendError as e:
         errors.append(e)
 
@@ -271,24 +315,27 @@ def test_failed_write_is_written_again_from_its_first_chunk(
     cache = h.cache
     assert cache._writer is not None
     (seq,) = make_sequences(h, 1, num_chunks=4)
-    real_call = cache._writer.call
+    real_send = cache._writer.send
     failures = iter([True])
 
-    def fail_once(*request, **kwargs):
+    def fail_once(*request: Any) -> None:
         if request[0] == "update" and next(failures, False):
             raise BackendError("injected write failure")
-        return real_call(*request, **kwargs)
+        real_send(*request)
 
-    monkeypatch.setattr(cache._writer, "call", fail_once)
+    monkeypatch.setattr(cache._writer, "send", fail_once)
     seq.computed = 2 * CHUNK_SIZE
     assert cache.save([seq.request()])  # chunks 0-1: the write fails
     h.wait()
+    assert h.counters()["updates_failed"] == 1
+    assert cached_tokens(h, seq) == 0
     seq.computed = 4 * CHUNK_SIZE
     assert cache.save([seq.request()])  # rewound: chunks 0-3 in one task
     h.wait()
     counters = h.counters()
     assert counters["updates_failed"] == 1 and counters["updates_completed"] == 1
     assert counters["tokens_rejected"] == 0
+    assert counters["tokens_written"] == 4 * CHUNK_SIZE
     assert cached_tokens(h, seq) == 4 * CHUNK_SIZE
 
 
@@ -296,11 +343,12 @@ def test_no_staging_copy_once_the_writer_is_disabled(make_cache: CacheFactory):
     h = make_cache()
     assert h.cache._writer is not None
     h.cache._writer.disabled_reason = "disabled by the test"
+    assert not h.cache.can_save()
     (seq,) = make_sequences(h, 1, num_chunks=2)
     seq.computed = 2 * CHUNK_SIZE
     assert not h.cache.save([seq.request()])
     assert h.counters()["updates_submitted"] == 0
-    assert h.cache.pool is not None and h.cache.pool.num_in_flight == 0
+    assert h.cache.pool.num_in_flight == 0
 
 
 def test_save_told_not_to_take_a_buffer_skips_and_resumes(make_cache: CacheFactory):
@@ -312,7 +360,7 @@ def test_save_told_not_to_take_a_buffer_skips_and_resumes(make_cache: CacheFacto
     assert h.cache.can_save()
     assert not h.cache.save([seq.request()], may_take_buffer=False)
     assert h.counters()["updates_skipped"] == 1
-    assert h.cache.pool is not None and h.cache.pool.num_in_flight == 0
+    assert h.cache.pool.num_in_flight == 0
     assert h.cache.save([seq.request()])
     h.wait()
     assert cached_tokens(h, seq) == 2 * CHUNK_SIZE

@@ -1,6 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Helpers of the vineyard cache tests (the fixtures are in conftest.py)."""
+"""Helpers of the vineyard cache tests (the fixtures are in conftest.py).
+
+A :class:`CacheHarness` is a real worker-side cache (:class:`VineyardLLMCache`,
+with its backend processes) plus the scheduler-side lookup of the same
+namespace (:class:`VineyardCacheLookup`), over random paged KV. Tests speak
+in token ids; the harness turns them into the chained block digests that
+the product uses.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import itertools
 import os
 import random
 import signal
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,11 +25,14 @@ from typing import Any
 
 import torch
 
-from vllm.worker.vineyard_llm_cache import (
-    KVCacheLayout,
-    SaveRequest,
-    VineyardLLMCache,
-    VineyardLLMCacheConfig,
+from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
+from vllm.worker.vineyard_store import (
+    extend_digests,
+    key_id,
+    load_auth_key,
+    synthetic_ids,
 )
 
 # A small model: fast to write, several chunks per sequence.
@@ -58,7 +69,13 @@ def random_kv(
 
 
 def make_layout(
-    kv: torch.Tensor, model: str = "test-model", kv_layout: str = "CPU_ATTN"
+    kv: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+    model: str = "test-model",
+    kv_layout: str = "CPU_ATTN",
+    key: str = "nokey",
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> KVCacheLayout:
     """The layout of KV made by :func:`random_kv`."""
     num_layers, _, num_kv_heads, block_size, two_head = kv.shape
@@ -71,6 +88,10 @@ def make_layout(
         block_size=block_size,
         block_bytes=kv[0, 0].numel() * kv.element_size(),
         kv_layout=kv_layout,
+        chunk_size=chunk_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        key_id=key,
     )
 
 
@@ -87,105 +108,6 @@ def whole_chunks(n: int, chunk: int = CHUNK_SIZE) -> int:
     return n // chunk * chunk
 
 
-@dataclass
-class CacheHarness:
-    """A cache plus the paged KV it reads from and writes to."""
-
-    cache: VineyardLLMCache
-    kv: torch.Tensor  # [num_layers, num_blocks, heads, block_size, 2 * head]
-    layout: KVCacheLayout
-    config: VineyardLLMCacheConfig
-    _baseline: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def chunk_size(self) -> int:
-        return self.cache.chunk_size
-
-    def blocks_for(self, first_block: int, num_tokens: int) -> list[int]:
-        """Contiguous block ids covering ``num_tokens`` tokens."""
-        count = -(-num_tokens // self.block_size)
-        return list(range(first_block, first_block + count))
-
-    def save_all(self, requests: Sequence[SaveRequest], timeout_s: float = 30.0) -> int:
-        """Save until nothing is pending (a buffer holds one step's worth);
-        returns how many tasks were submitted."""
-        for submitted in range(1000):
-            assert self.cache.wait_for_updates(timeout_s), "updates did not finish"
-            if not self.cache.save(requests):
-                return submitted
-        raise AssertionError("save() never ran out of pending chunks")
-
-    def wait(self, timeout_s: float = 30.0) -> None:
-        assert self.cache.wait_for_updates(timeout_s), "updates did not finish"
-
-    def counters(self) -> dict[str, int]:
-        """Counters since the last :meth:`reset_counters`."""
-        totals = self.cache.metrics.snapshot()
-        return {k: v - self._baseline.get(k, 0) for k, v in totals.items()}
-
-    def reset_counters(self) -> None:
-        self._baseline = self.cache.metrics.snapshot()
-
-    def close(self) -> None:
-        # Let a backend that a test stopped (SIGSTOP) go before closing.
-        for backend in (self.cache._reader, self.cache._writer):
-            pid = backend.pid if backend is not None else None
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-        self.cache.close()
-
-
-def build_cache(
-    root: Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    num_layers: int = NUM_LAYERS,
-    num_blocks: int = NUM_BLOCKS,
-    block_size: int = BLOCK_SIZE,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_size: int = HEAD_SIZE,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    model: str = "test-model",
-    kv_layout: str = "CPU_ATTN",
-    seed: int = 0,
-    **config_fields: Any,
-) -> CacheHarness:
-    """A CPU cache on the real file backend at ``root`` over random paged KV.
-
-    ``config_fields`` override :class:`VineyardLLMCacheConfig` fields
-    (``chunk_size``, ``max_inflight_tasks``, ...).
-    """
-    kv = random_kv(
-        num_layers, num_blocks, num_kv_heads, block_size, head_size, dtype, seed
-    )
-    fields: dict[str, Any] = {
-        "root": str(root),
-        "chunk_size": CHUNK_SIZE,
-        "cpu_mem_limit_gb": 1.0,
-        "backend_timeout_s": 10.0,
-        "drain_timeout_s": 5.0,
-    }
-    fields.update(config_fields)
-    config = replace(VineyardLLMCacheConfig(), **fields)
-    layout = make_layout(kv, model=model, kv_layout=kv_layout)
-    cache = VineyardLLMCache(
-        config,
-        layout,
-        max_num_batched_tokens,
-        kv_caches=[kv[i] for i in range(num_layers)],
-        num_blocks=num_blocks,
-    )
-    return CacheHarness(cache, kv, layout, config)
-
-
-CacheFactory = Callable[..., CacheHarness]
-
-
 def pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -195,6 +117,7 @@ def pid_exists(pid: int) -> bool:
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -215,6 +138,25 @@ def stop_process(pid: int) -> None:
     assert wait_until(lambda: process_state(pid) in ("T", "t")), "did not stop"
 
 
+def _exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, all its threads included (a killed
+    process's main thread is a zombie while its other threads still exit),
+    without reaping it (its owner does)."""
+    try:
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        return os.waitid(os.P_PID, pid, flags) is not None
+    except ChildProcessError:
+        return True  # already reaped
+
+
+def kill_process(pid: int) -> None:
+    """SIGKILL the backend ``pid`` (a child of this process) and wait until
+    it has exited: a crash between two calls."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: _exited(pid)), f"pid {pid} did not die"
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical (NaN payloads included), whatever the dtype."""
     return a.shape == b.shape and torch.equal(
@@ -229,6 +171,190 @@ def chunk_files(root: str) -> list[str]:
         dirnames[:] = [d for d in dirnames if d != "__temp"]
         found.extend(os.path.join(dirpath, f) for f in filenames)
     return found
+
+
+def read_header_ids(path: str) -> list[int]:
+    """The ids in a chunk file's header (int32 count ``n``, ``n`` int32)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<i", f.read(4))
+        return list(struct.unpack(f"<{n}i", f.read(4 * n)))
+
+
+def write_header_ids(path: str, ids: Sequence[int]) -> None:
+    """Overwrite a chunk file's header ids in place (same count)."""
+    assert len(read_header_ids(path)) == len(ids)
+    with open(path, "r+b") as f:
+        f.seek(4)
+        f.write(struct.pack(f"<{len(ids)}i", *ids))
+
+
+@dataclass
+class CacheHarness:
+    """A cache, the scheduler lookup of its namespace, and the paged KV it
+    reads from and writes to."""
+
+    cache: VineyardLLMCache
+    lookups: VineyardCacheLookup
+    kv: torch.Tensor  # [num_layers, num_blocks, heads, block_size, 2 * head]
+    layout: KVCacheLayout
+    config: VineyardLLMCacheConfig
+    salt: str | None = None
+    _baseline: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def chunk_size(self) -> int:
+        return self.cache.chunk_size
+
+    @property
+    def root(self) -> str:
+        """The namespace directory."""
+        return self.cache.files.root
+
+    def digests(self, tokens: Sequence[int]) -> list[bytes]:
+        return extend_digests([], tokens, self.block_size, self.salt)
+
+    def ids(self, tokens: Sequence[int]) -> list[int]:
+        return synthetic_ids(self.digests(tokens))
+
+    def chunk_path(self, tokens: Sequence[int], chunk: int) -> str:
+        """The file of chunk ``chunk`` (0-based) of ``tokens``."""
+        bpc = self.layout.blocks_per_chunk
+        return self.cache.files.path(self.ids(tokens)[: (chunk + 1) * bpc])
+
+    def blocks_for(self, first_block: int, num_tokens: int) -> list[int]:
+        """Contiguous block ids covering ``num_tokens`` tokens."""
+        count = -(-num_tokens // self.block_size)
+        return list(range(first_block, first_block + count))
+
+    def request(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        num_computed: int,
+        blocks: Sequence[int],
+        save_from: int = 0,
+    ) -> SaveRequest:
+        return SaveRequest(
+            req_id, self.digests(tokens), num_computed, list(blocks), save_from
+        )
+
+    def lookup(self, tokens: Sequence[int], num_local: int = 0) -> tuple[int, int]:
+        """The scheduler's lookup: ``(num_hit_tokens, save_from)``."""
+        return self.lookups.lookup(self.digests(tokens), num_local, len(tokens))
+
+    def load(
+        self, tokens: Sequence[int], start: int, end: int, blocks: Sequence[int]
+    ) -> int:
+        return self.cache.load(self.digests(tokens), start, end, blocks)
+
+    def save_all(self, requests: Sequence[SaveRequest], timeout_s: float = 30.0) -> int:
+        """Save until nothing is pending (a buffer holds one step's worth);
+        returns how many tasks were submitted."""
+        for submitted in range(1000):
+            self.wait(timeout_s)
+            if not self.cache.save(requests):
+                self.wait(timeout_s)
+                return submitted
+        raise AssertionError("save() never ran out of pending chunks")
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Wait until no update is in flight (every buffer is back)."""
+        assert wait_until(lambda: self.cache.pool.num_in_flight == 0, timeout_s), (
+            "updates did not finish"
+        )
+
+    def pid(self, role: str) -> int:
+        """The pid of the ``read`` or ``write`` backend."""
+        pid = self.cache.backend_pids()[role]
+        assert pid is not None, f"no {role} backend"
+        return pid
+
+    def reader_stats(self) -> None:
+        """Collect the reader's counters now (they come with its replies)."""
+        assert self.cache._reader is not None
+        self.cache.metrics.record(self.cache._reader.call("stats"))
+
+    def counters(self) -> dict[str, int]:
+        """Counters of the cache and its lookup since the last
+        :meth:`reset_counters`."""
+        totals = self._totals()
+        return {k: v - self._baseline.get(k, 0) for k, v in totals.items()}
+
+    def _totals(self) -> dict[str, int]:
+        totals = self.cache.metrics.snapshot()
+        for k, v in self.lookups.metrics.snapshot().items():
+            totals[k] += v
+        return totals
+
+    def reset_counters(self) -> None:
+        self._baseline = self._totals()
+
+    def close(self) -> None:
+        # Let a backend that a test stopped (SIGSTOP) go before closing.
+        for pid in self.cache.backend_pids().values():
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        self.cache.close()
+
+
+def build_cache(
+    root: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = NUM_LAYERS,
+    num_blocks: int = NUM_BLOCKS,
+    block_size: int = BLOCK_SIZE,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_size: int = HEAD_SIZE,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    model: str = "test-model",
+    kv_layout: str = "CPU_ATTN",
+    seed: int = 0,
+    salt: str | None = None,
+    **config_fields: Any,
+) -> CacheHarness:
+    """A CPU cache on the real file backend at ``root`` over random paged KV.
+
+    ``config_fields`` override :class:`VineyardLLMCacheConfig` fields
+    (``chunk_size``, ``max_inflight_tasks``, ``auth_key_file``, ...).
+    """
+    kv = random_kv(
+        num_layers, num_blocks, num_kv_heads, block_size, head_size, dtype, seed
+    )
+    fields: dict[str, Any] = {
+        "root": str(root),
+        "chunk_size": CHUNK_SIZE,
+        "cpu_mem_limit_gb": 1.0,
+        "backend_timeout_s": 10.0,
+        "drain_timeout_s": 5.0,
+    }
+    fields.update(config_fields)
+    config = replace(VineyardLLMCacheConfig(), **fields)
+    layout = make_layout(
+        kv,
+        chunk_size=config.chunk_size,
+        model=model,
+        kv_layout=kv_layout,
+        key=key_id(load_auth_key(config.auth_key_file)),
+    )
+    cache = VineyardLLMCache(
+        config,
+        layout,
+        max_num_batched_tokens,
+        kv_caches=[kv[i] for i in range(num_layers)],
+        num_blocks=num_blocks,
+    )
+    return CacheHarness(
+        cache, VineyardCacheLookup(config, [layout]), kv, layout, config, salt
+    )
+
+
+CacheFactory = Callable[..., CacheHarness]
 
 
 #: A cache whose writes are slow enough to see (32 layers, 32 KiB of KV per
