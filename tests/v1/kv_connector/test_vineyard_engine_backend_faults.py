@@ -6,6 +6,7 @@ and the runner waits for every submitted update to be accounted for)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,9 @@ def test_root_broken_at_runtime(
 
 @pytest.fixture(scope="module")
 def killed(toy_model: str, module_dir: Path) -> EngineRun:
-    """SIGKILL every vineyard backend process of the engine (the scheduler's
-    reader, the worker's reader and writer) between generate calls."""
+    """SIGKILL every vineyard backend process of the engine (the worker's
+    reader and writer; the scheduler's lookups need none) between generate
+    calls."""
     prompts = standard_prompts()
     return run_engine(
         toy_model,
@@ -109,15 +111,16 @@ def killed(toy_model: str, module_dir: Path) -> EngineRun:
 
 
 def test_killed_backends_restart(killed: EngineRun) -> None:
-    assert [r.killed_backends for r in killed.rounds] == [0, 3, 3]
-    # Backends restart on their next call: the readers for the lookups and
-    # loads, the writer for the saves of round 1 (round 2 has none to make).
-    assert killed.delta(1, "backend_restarts") == 3
-    assert killed.delta(2, "backend_restarts") > 0
+    assert [r.killed_backends for r in killed.rounds] == [0, 2, 2]
+    # Backends restart on their next call: the reader for the loads of
+    # rounds 1 and 2, the writer for the saves of round 1.
+    assert killed.delta(1, "backend_restarts") >= 1
+    assert killed.delta(2, "backend_restarts") >= 1
     assert killed.delta(1, "tokens_written") > 0
     assert killed.last.counter("updates_failed") == 0
     assert killed.last.counter("load_errors") == 0
     assert all(r.settled for r in killed.rounds)
+    assert killed.shutdown_s is not None  # and within the harness's bound
 
 
 def test_killed_backends_keep_serving(
@@ -133,3 +136,71 @@ def test_killed_backends_keep_serving(
     assert killed.rounds[2].num_cached_tokens == [
         cacheable_prefix(len(p)) for p in prompts
     ]
+
+
+def _flip_a_byte_in_every_chunk(root: Path) -> int:
+    """Bit rot at rest: one payload byte of every chunk file under
+    ``root`` flipped (its last entry's KV, before the trailer)."""
+    flipped = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__temp"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, "r+b") as f:
+                f.seek(-200, os.SEEK_END)
+                byte = f.read(1)
+                f.seek(-200, os.SEEK_END)
+                f.write(bytes([byte[0] ^ 0x10]))
+            flipped += 1
+    return flipped
+
+
+def test_corrupt_chunks_are_recomputed_and_written_again(
+    toy_model: str, module_dir: Path, no_cache: list[list[int]]
+) -> None:
+    """Every chunk file is bit-rotted between two engines. The second
+    engine's lookups promise them (a lookup only stats), its loads fail
+    verification and go through vLLM's load-error path: the blocks are
+    recomputed, the outputs equal a run without the cache, the bad chunks
+    are counted and removed. A third engine writes them again and then
+    loads what it wrote."""
+    root = module_dir / "corrupt" / "cache"
+    env = engine_env(root)
+    prompts = standard_prompts()
+    first = run_engine(
+        toy_model,
+        [{"prompts": prompts}],
+        env,
+        module_dir / "corrupt" / "writer",
+        llm_kwargs=LLM_KWARGS,
+    )
+    assert first.last.settled and first.last.counter("tokens_written") > 0
+    assert _flip_a_byte_in_every_chunk(root) > 0
+
+    second = run_engine(
+        toy_model,
+        [{"prompts": prompts}],
+        env,
+        module_dir / "corrupt" / "reader",
+        llm_kwargs=LLM_KWARGS,
+    )
+    assert second.last.outputs == no_cache
+    assert second.last.counter("hit_tokens") > 0  # promised by the lookup
+    assert second.last.counter("corrupt_chunks") > 0
+    assert second.last.counter("load_errors") > 0
+    assert second.last.counter("loaded_tokens") == 0  # nothing bad loaded
+    # (vLLM still reports the promised tokens as external prefix-cache hits
+    # and num_cached_tokens: it counts at scheduling time.)
+
+    third = run_engine(
+        toy_model,
+        [{"prompts": prompts}, {"prompts": prompts}],
+        env,
+        module_dir / "corrupt" / "healed",
+        llm_kwargs=LLM_KWARGS,
+    )
+    assert third.rounds[0].settled
+    assert third.delta(0, "tokens_written") > 0  # the removed chunks again
+    assert third.delta(1, "loaded_tokens") > 0
+    for round_ in third.rounds:
+        assert round_.outputs == no_cache

@@ -57,6 +57,7 @@ def runs(
             module_dir / mode / "writer",
             llm_kwargs=LLM_KWARGS,
         )
+        assert writer.last.settled  # the reader's exact hits need every write
         reader = run_engine(
             toy_model,
             [round_],

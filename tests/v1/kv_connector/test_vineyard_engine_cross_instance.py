@@ -62,6 +62,9 @@ def instances(
         env,
         module_dir / "engine_a",
     )
+    # B's exact hits need every write of A reported done (and A's shutdown
+    # drained them: the harness fails a run whose shutdown hangs).
+    assert a.last.settled
     b = run_engine(
         toy_model,
         [

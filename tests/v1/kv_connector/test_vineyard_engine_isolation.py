@@ -44,6 +44,7 @@ def first_model(toy_model: str, module_dir: Path) -> EngineRun:
         engine_env(module_dir / "cache"),
         module_dir / "first",
     )
+    assert run.last.settled  # every write reported before the next engine
     assert run.last.counter("tokens_written") > 0
     return run
 
@@ -83,13 +84,22 @@ def test_other_model_never_loads_first_models_kv(
     # into steps can change the numerics.
     expected = reference(model, [shared_a, other], **kwargs).last.outputs
     assert run.rounds[0].outputs == expected
-    # Its own KV, stored beside the first model's, is found; of shared_b
-    # only the prefix it shares with shared_a.
+    # Its own KV, stored beside the first model's, is found (round 0's
+    # writes were all reported first); of shared_b only the prefix it shares
+    # with shared_a.
+    assert run.rounds[0].settled
     assert run.rounds[1].num_cached_tokens == [
         cacheable_prefix(len(shared_a)),
         whole_chunks(common_prefix(shared_a, shared_b)),
         cacheable_prefix(len(other)),
     ]
+    assert run.delta(1, "loaded_tokens") == sum(run.rounds[1].num_cached_tokens)
+    # What it loaded is its own KV: the outputs of the round with hits are
+    # those of this model without the cache.
+    assert (
+        run.rounds[1].outputs
+        == reference(model, [shared_a, shared_b, other], **kwargs).last.outputs
+    )
     if variant == "other_checkpoint":
         # Same prompts, other weights: loading the first model's KV would
         # have shown in the outputs.

@@ -20,7 +20,10 @@ SIGKILLs every vineyard backend process below the engine and ``break_path``
 replaces that directory (the cache root) by a regular file. After each round
 the runner waits (up to ``S`` seconds) until every update the cache submitted
 is done, stepping the engine with a one-token prompt so the worker reports
-its counters, and then reads ``LLM.get_metrics()``.
+its counters, and then reads ``LLM.get_metrics()``. The result is written
+before the engine shuts down and again after: an orderly shutdown (drain
+and backends stopped) longer than :data:`SHUTDOWN_BOUND_S` fails the run
+(``error`` set, exit code :data:`SHUTDOWN_HUNG_EXIT`) without hanging it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ VINEYARD_MODULES = (
 )
 _BACKEND_SCRIPT = "vineyard_backend.py"
 _FLUSH_PROMPT = [7]  # shorter than a chunk: no lookup, no save
+#: Longest orderly engine shutdown (drain timeout, 5 s by default, plus
+#: stopping the backends); beyond it the engine test fails.
+SHUTDOWN_BOUND_S = 30.0
+SHUTDOWN_HUNG_EXIT = 3
 
 #: ``factory(**ToyLlamaConfig fields) -> checkpoint dir`` (a fixture).
 ModelFactory = Callable[..., str]
@@ -179,6 +186,7 @@ class EngineRun:
     rounds: list[Round] = field(default_factory=list)
     modules: dict[str, bool] = field(default_factory=dict)
     log: str = ""
+    shutdown_s: float | None = None  # None: no engine to shut down
 
     @property
     def ok(self) -> bool:
@@ -369,6 +377,7 @@ def run_engine(
         rounds=[Round(**r) for r in result.get("rounds", [])],
         modules=result.get("modules", {}),
         log=log_text,
+        shutdown_s=result.get("shutdown_s"),
     )
     if expect_ok and not run.ok:
         raise AssertionError(
@@ -409,21 +418,26 @@ def _pending_updates(metrics: Mapping[str, Any]) -> int:
 
 
 def _backends(kind: str | None = None) -> list[Any]:
-    """The vineyard backend processes below this one; ``kind`` "write" or
-    "read" picks by the staging memory they map."""
+    """The vineyard backend processes below this one (the workers' readers
+    and writers); ``kind`` "write" or "read" picks by their spec: the
+    writer is the one that sweeps the root."""
     import psutil
 
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if not any(arg.endswith(_BACKEND_SCRIPT) for arg in child.cmdline()):
-                continue
-            if kind is not None and not any(
-                f"vineyard-cache-{kind}" in m.path for m in child.memory_maps()
-            ):
-                continue
+            cmdline = child.cmdline()
         except psutil.Error:
             continue
+        if not any(arg.endswith(_BACKEND_SCRIPT) for arg in cmdline):
+            continue
+        if kind is not None:
+            try:
+                spec = json.loads(cmdline[cmdline.index("--spec") + 1])
+            except (ValueError, IndexError):
+                continue
+            if bool(spec.get("sweep")) != (kind == "write"):
+                continue
         found.append(child)
     return found
 
@@ -548,25 +562,43 @@ def _main(spec_path: str) -> None:
         traceback.print_exc()
         result["error"] = f"{type(e).__name__}: {e}"
     result["modules"] = {name: name in sys.modules for name in VINEYARD_MODULES}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
+    _write_result(spec["result"], result)
     _note(f"rounds done, error: {result['error']}")
+    exit_code = 0
     if llm is not None:
-        # An orderly shutdown (the connector drains and stops its backends),
-        # bounded: the test's timeout kills the process group otherwise.
+        # An orderly shutdown (the connector drains and stops its backends)
+        # must finish within SHUTDOWN_BOUND_S: one that hangs fails the
+        # test (reported in the result and by the exit code) instead of
+        # hanging it.
         import threading
 
         stopper = threading.Thread(
             target=llm.llm_engine.engine_core.shutdown, daemon=True
         )
+        start = time.perf_counter()
         stopper.start()
-        stopper.join(30)
-        _note("engine shut down" if not stopper.is_alive() else "shutdown hangs")
+        stopper.join(SHUTDOWN_BOUND_S)
+        hung = stopper.is_alive()
+        result["shutdown_s"] = round(time.perf_counter() - start, 3)
+        if hung:
+            exit_code = SHUTDOWN_HUNG_EXIT
+            result["error"] = result["error"] or (
+                f"engine shutdown did not finish within {SHUTDOWN_BOUND_S} s"
+            )
+        _write_result(spec["result"], result)
+        _note("shutdown hangs" if hung else f"shut down in {result['shutdown_s']} s")
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: engine threads and atexit hooks can hang on
     # an engine that failed mid-startup; the backends exit when we do.
-    os._exit(0)
+    os._exit(exit_code)
+
+
+def _write_result(path: str, result: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
 
 
 def _serve_forks() -> None:
