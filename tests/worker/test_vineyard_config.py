@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The environment variable table: defaults, valid values and every kind of
-bad value, which must raise a ValueError naming the variable, the value
-given and what is allowed."""
+"""The settings table: defaults, valid values and every kind of bad value,
+which must raise a ValueError naming the variable (or the
+``kv_connector_extra_config`` key), the value given and what is allowed;
+``kv_connector_extra_config`` overriding the environment; and the auth key
+file."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import pytest
 import torch
 from vineyard_cache_testing import make_layout, random_kv
 
-from vllm.worker.vineyard_llm_cache import (
+from vllm.worker.vineyard_config import (
     ENV_VARS,
-    VineyardLLMCache,
     VineyardLLMCacheConfig,
+    env_name,
 )
+from vllm.worker.vineyard_llm_cache import VineyardLLMCache
+from vllm.worker.vineyard_store import load_auth_key
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -103,8 +107,37 @@ CASES: dict[str, EnvCase] = {
             ("12.5", "[1, inf]"),
         ),
     ),
+    "VINEYARD_CACHE_DISK_LIMIT_GB": EnvCase(
+        "disk_limit_gb",
+        (("0.5", 0.5), ("2000", 2000.0)),
+        (
+            ("huge", "(0, inf]"),
+            ("0", "(0, inf]"),
+            ("-10", "(0, inf]"),
+            ("inf", "(0, inf]"),
+        ),
+    ),
     "VINEYARD_CACHE_TTL_S": EnvCase(
-        "ttl_s", (("60", 60),), (("soon", "[1, inf]"), ("0", "[1, inf]"))
+        "ttl_s",
+        (("60", 60.0), ("0", 0.0), ("0.5", 0.5)),  # 0: no TTL
+        (("soon", "[0, inf]"), ("-1", "[0, inf]"), ("nan", "[0, inf]")),
+    ),
+    "VINEYARD_CACHE_SWEEP_INTERVAL_S": EnvCase(
+        "sweep_interval_s",
+        (("1", 1.0), ("0.25", 0.25)),
+        (("often", "(0, inf]"), ("0", "(0, inf]"), ("-5", "(0, inf]")),
+    ),
+    "VINEYARD_CACHE_AUTH_KEY_FILE": EnvCase(
+        "auth_key_file",
+        (
+            ("", ""),  # no key
+            ("/etc/kv/secret", "/etc/kv/secret"),
+            ("rel/secret", os.path.abspath("rel/secret")),
+        ),
+        (),  # any path parses; an unusable file fails in load_auth_key
+    ),
+    "VINEYARD_CACHE_GROUP_ACCESS": EnvCase(
+        "group_access", (("1", True), ("off", False)), BOOL_BAD
     ),
     "VINEYARD_CACHE_BACKEND_TIMEOUT_S": EnvCase(
         "backend_timeout_s",
@@ -147,12 +180,28 @@ def test_empty_environment_gives_the_defaults() -> None:
     assert VineyardLLMCacheConfig.from_env({}) == DEFAULTS
 
 
+FIELDS = {f.name: f for f in dataclasses.fields(VineyardLLMCacheConfig)}
+
+
 @pytest.mark.parametrize("name", sorted(ENV_VARS))
 def test_default_parses_to_the_dataclass_default(name: str) -> None:
     var = ENV_VARS[name]
-    expected = getattr(DEFAULTS, CASES[name].field)
-    assert var.parse(name, var.default) == expected
+    field = CASES[name].field
+    assert var.key == field and env_name(field) == name
+    parse = FIELDS[field].metadata["parse"]
+    assert parse(name, var.default) == getattr(DEFAULTS, field)
+    assert var.allowed == FIELDS[field].metadata["allowed"]
     assert var.allowed and var.help
+
+
+def test_documented_defaults() -> None:
+    """The defaults the docs promise for the settings of the v2 format."""
+    assert DEFAULTS.disk_limit_gb == 100.0
+    assert DEFAULTS.ttl_s == 0.0  # no expiry
+    assert DEFAULTS.sweep_interval_s == 30.0
+    assert DEFAULTS.auth_key_file == ""  # checksums, no MAC
+    assert DEFAULTS.group_access is False  # owner only
+    assert DEFAULTS.enabled is False
 
 
 @pytest.mark.parametrize(("name", "raw", "value"), _valid_values())
@@ -242,7 +291,9 @@ def test_cache_rejects_a_chunk_size_that_splits_blocks(tmp_path: Path) -> None:
     kv = random_kv(1, 4, 1, 32, 8, torch.float32)
     config = dataclasses.replace(DEFAULTS, root=str(tmp_path), chunk_size=48)
     with pytest.raises(ValueError, match="VINEYARD_CACHE_CHUNK_SIZE=48"):
-        VineyardLLMCache(config, make_layout(kv), 64, [kv[0]], 4)
+        VineyardLLMCache(config, make_layout(kv, chunk_size=32), 64, [kv[0]], 4)
+    # Nothing was started or written.
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -294,3 +345,142 @@ def test_budget_too_small_for_min_buffers(
     assert f"VINEYARD_CACHE_MIN_INFLIGHT_TASKS={low}" in message
     need_gb = low * buffer_bytes / GiB
     assert f"allowed: UTIL x LIMIT >= {need_gb:.3f} GiB" in message
+
+
+# --------------------------------------------------------------------------
+# kv_connector_extra_config
+# --------------------------------------------------------------------------
+
+
+def _extra_valid() -> list[Any]:
+    return [
+        pytest.param(case.field, raw, value, id=f"{case.field}={raw!r}")
+        for case in CASES.values()
+        for raw, value in case.valid
+    ]
+
+
+def _extra_bad() -> list[Any]:
+    return [
+        pytest.param(case.field, raw, allowed, id=f"{case.field}={raw!r}")
+        for case in CASES.values()
+        for raw, allowed in case.bad
+    ]
+
+
+@pytest.mark.parametrize(("key", "raw", "value"), _extra_valid())
+def test_extra_config_key_overrides_the_environment(
+    key: str, raw: str, value: Any
+) -> None:
+    """Every field's key (lower case, no prefix) sets it, and wins over a
+    valid and even a bad environment variable of the same setting."""
+    name = env_name(key)
+    env_raw = ENV_VARS[name].default
+    for env in ({}, {name: env_raw}, {name: "not-a-valid-value"}):
+        if key in ("root", "auth_key_file") and env.get(name) is not None:
+            env = {name: "/somewhere/else"}  # every path parses
+        config = VineyardLLMCacheConfig.from_env(env, {key: raw})
+        assert getattr(config, key) == value
+        assert dataclasses.replace(config, **{key: getattr(DEFAULTS, key)}) == (
+            DEFAULTS
+        )
+
+
+@pytest.mark.parametrize(("key", "raw", "allowed"), _extra_bad())
+def test_extra_config_bad_value_names_the_key(key: str, raw: str, allowed: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        # A valid environment does not rescue a bad extra config value.
+        VineyardLLMCacheConfig.from_env(
+            {env_name(key): ENV_VARS[env_name(key)].default}, {key: raw}
+        )
+    message = str(excinfo.value)
+    assert f"kv_connector_extra_config[{key!r}]" in message
+    assert "allowed" in message and allowed in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "value"),
+    [
+        ({"chunk_size": 64}, 64),  # JSON numbers, not only strings
+        ({"metrics_enabled": True}, True),
+        ({"ttl_s": 1.5}, 1.5),
+    ],
+)
+def test_extra_config_takes_json_values(extra: dict[str, Any], value: Any) -> None:
+    config = VineyardLLMCacheConfig.from_env({}, extra)
+    ((key, _),) = extra.items()
+    assert getattr(config, key) == value
+
+
+@pytest.mark.parametrize(
+    "key", ["chunksize", "VINEYARD_CACHE_CHUNK_SIZE", "CHUNK_SIZE", "enable"]
+)
+def test_extra_config_unknown_key_fails(key: str) -> None:
+    """A misspelt key (or an environment variable's name) must not pass
+    silently."""
+    with pytest.raises(ValueError) as excinfo:
+        VineyardLLMCacheConfig.from_env({}, {key: "64", "chunk_size": "64"})
+    message = str(excinfo.value)
+    assert f"unknown key(s) [{key!r}]" in message
+    assert "allowed" in message and "'chunk_size'" in message
+
+
+def test_extra_config_min_above_max_fails() -> None:
+    with pytest.raises(ValueError, match="allowed: MIN <= MAX"):
+        VineyardLLMCacheConfig.from_env(
+            {"VINEYARD_CACHE_MAX_INFLIGHT_TASKS": "8"},
+            {"min_inflight_tasks": 3, "max_inflight_tasks": 2},
+        )
+    # MIN from the environment, MAX from the extra config: checked together.
+    with pytest.raises(ValueError, match="allowed: MIN <= MAX"):
+        VineyardLLMCacheConfig.from_env(
+            {"VINEYARD_CACHE_MIN_INFLIGHT_TASKS": "5"}, {"max_inflight_tasks": 4}
+        )
+
+
+# --------------------------------------------------------------------------
+# The auth key file
+# --------------------------------------------------------------------------
+
+
+def test_no_key_file_means_no_key() -> None:
+    assert load_auth_key("") is None
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [b"0123456789abcdef", b"  a much longer shared secret of the fleet  \n"],
+)
+def test_key_is_derived_from_the_secret(tmp_path: Path, secret: bytes) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(secret)
+    key = load_auth_key(str(path))
+    assert key is not None and len(key) == 32
+    assert key != secret.strip()  # derived, not the secret itself
+    # Surrounding whitespace (a trailing newline) does not change the key.
+    path.write_bytes(b"\n" + secret.strip() + b"\n")
+    assert load_auth_key(str(path)) == key
+    path.write_bytes(secret.strip() + b"!")
+    assert load_auth_key(str(path)) != key
+
+
+def test_missing_key_file_names_the_variable(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-key")
+    with pytest.raises(ValueError) as excinfo:
+        load_auth_key(missing)
+    message = str(excinfo.value)
+    assert f"VINEYARD_CACHE_AUTH_KEY_FILE={missing!r}" in message
+    assert "cannot be read" in message and "allowed" in message
+
+
+@pytest.mark.parametrize("secret", [b"", b"short", b"  fifteen bytes  \n"[:17]])
+def test_short_secret_names_the_variable(tmp_path: Path, secret: bytes) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(secret)
+    assert len(secret.strip()) < 16
+    with pytest.raises(ValueError) as excinfo:
+        load_auth_key(str(path))
+    message = str(excinfo.value)
+    assert f"VINEYARD_CACHE_AUTH_KEY_FILE={str(path)!r}" in message
+    assert f"holds {len(secret.strip())} bytes" in message
+    assert "allowed: a secret of at least 16 bytes" in message
