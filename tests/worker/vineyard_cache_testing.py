@@ -316,6 +316,8 @@ def build_cache(
     kv_layout: str = "CPU_ATTN",
     seed: int = 0,
     salt: str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
     **config_fields: Any,
 ) -> CacheHarness:
     """A CPU cache on the real file backend at ``root`` over random paged KV.
@@ -341,6 +343,8 @@ def build_cache(
         model=model,
         kv_layout=kv_layout,
         key=key_id(load_auth_key(config.auth_key_file)),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )
     cache = VineyardLLMCache(
         config,

@@ -1,0 +1,477 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The v2 storage format at the cache level, on real vineyard and real
+backend processes: one entry per KV block (all layers), every loaded entry
+verified against its trailer, lookups by ``stat`` only, keyed namespaces,
+file modes, and formats and chunk sizes that never mix (issue 7, Tests).
+
+Corruption is made at rest, on the chunk files themselves, the way bit rot,
+a crash, a foreign writer or an attacker would leave them: vineyard's own
+file layout is an int32 count ``n``, ``n`` int32 ids, then the chunk's
+entries (payload, then a 64-byte trailer, each).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vineyard_cache_testing import (
+    CHUNK_SIZE,
+    CacheFactory,
+    CacheHarness,
+    chunk_files,
+    make_tokens,
+    read_header_ids,
+    same_bits,
+    write_header_ids,
+)
+
+from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_store import TRAILER_BYTES, extend_digests, synthetic_ids
+
+SEQ_CHUNKS = 4
+SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
+CACHED = SEQ_CHUNKS * CHUNK_SIZE
+BAD = 2  # the chunk that is corrupted
+SRC, DONOR_SRC, DST = 0, 20, 40  # first blocks of the requests
+
+
+def save(h: CacheHarness, tokens: list[int], first_block: int, req: str) -> list[int]:
+    """Save ``tokens`` (KV in blocks from ``first_block``) to the end of
+    their last whole chunk; returns the blocks."""
+    blocks = h.blocks_for(first_block, len(tokens))
+    h.save_all([h.request(req, tokens, len(tokens), blocks)])
+    h.cache.release(req)
+    return blocks
+
+
+def check_loaded(
+    h: CacheHarness,
+    before: torch.Tensor,
+    src: list[int],
+    dst: list[int],
+    num_blocks: int,
+) -> None:
+    """The first ``num_blocks`` of ``dst`` hold ``src``'s bytes in every
+    layer; every other block is as it was in ``before``."""
+    assert same_bits(h.kv[:, dst[:num_blocks]], h.kv[:, src[:num_blocks]]), (
+        "loaded KV differs"
+    )
+    untouched = sorted(set(range(h.kv.shape[1])) - set(dst[:num_blocks]))
+    assert same_bits(h.kv[:, untouched], before[:, untouched]), "stray write"
+
+
+# --------------------------------------------------------------------------
+# Round trips
+# --------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    # (block size, chunk size, dtype): one-block and several-block chunks
+    # for each block size, both dtypes across them.
+    (16, 16, torch.float32),
+    (16, 64, torch.bfloat16),
+    (32, 32, torch.bfloat16),
+    (32, 96, torch.float32),
+    (128, 128, torch.float32),
+    (128, 256, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "chunk_size", "dtype"),
+    ROUND_TRIPS,
+    ids=[f"b{b}-c{c}-{str(d)[6:]}" for b, c, d in ROUND_TRIPS],
+)
+def test_round_trip_is_bit_exact(
+    make_cache: CacheFactory, block_size: int, chunk_size: int, dtype: torch.dtype
+):
+    """Saved, looked up and loaded into other blocks, bit for bit, through
+    loads of several read segments (a buffer holds two chunks)."""
+    length = 3 * chunk_size + 1  # a partial chunk at the end
+    blocks_each = -(-length // block_size)
+    h = make_cache(
+        dtype=dtype,
+        block_size=block_size,
+        chunk_size=chunk_size,
+        num_kv_heads=1,
+        head_size=8,
+        num_blocks=2 * blocks_each + 2,
+        max_num_batched_tokens=2 * chunk_size,
+    )
+    assert h.layout.blocks_per_chunk == chunk_size // block_size
+    cached = 3 * chunk_size
+    tokens = make_tokens(length)
+    src = save(h, tokens, 0, "req")
+    counters = h.counters()
+    assert counters["tokens_written"] == cached
+    assert counters["bytes_written"] == cached // block_size * h.layout.entry_bytes
+    assert len(chunk_files(h.root)) == 3
+    assert h.lookup(tokens) == (cached, cached)
+
+    dst = h.blocks_for(blocks_each, length)
+    n = cached // block_size
+    before = h.kv.clone()
+    assert not same_bits(before[:, dst[:n]], before[:, src[:n]])  # can fail
+    assert h.load(tokens, 0, cached, dst) == cached
+    check_loaded(h, before, src, dst, n)
+    counters = h.counters()
+    assert counters["loaded_tokens"] == cached
+    assert counters["load_errors"] == counters["corrupt_chunks"] == 0
+    assert counters["bytes_read"] == n * h.layout.entry_bytes
+
+
+# --------------------------------------------------------------------------
+# Corruption at rest
+# --------------------------------------------------------------------------
+
+
+def _corrupt(kind: str, h: CacheHarness, victim: list[int], donor: list[int]) -> str:
+    """Damage chunk BAD of ``victim`` on disk; returns its path."""
+    path = h.chunk_path(victim, BAD)
+    header = 4 + 4 * len(read_header_ids(path))
+    entry = h.layout.entry_bytes
+    if kind == "flipped-byte":
+        with open(path, "r+b") as f:
+            f.seek(header + entry + entry // 3)  # the second entry's payload
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif kind == "truncated":
+        os.truncate(path, header + entry + entry // 2)
+    elif kind == "other-prefix":
+        shutil.copyfile(h.chunk_path(donor, BAD), path)
+    elif kind == "forged-ids":
+        # The donor's chunk under the victim's ids: vineyard takes it for
+        # the victim's (its header matches), but its trailers hold the
+        # donor's digests.
+        ids = read_header_ids(path)
+        shutil.copyfile(h.chunk_path(donor, BAD), path)
+        write_header_ids(path, ids)
+        assert read_header_ids(path) == ids
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind", ["flipped-byte", "truncated", "other-prefix", "forged-ids"]
+)
+def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind: str):
+    """A damaged chunk stops the load there (short, counted), its blocks
+    are not written, the bad file is removed, and a later save writes it
+    again so that a load hits fully."""
+    h = small_cache
+    victim, donor = make_tokens(SEQ_LEN), make_tokens(SEQ_LEN)
+    src = save(h, victim, SRC, "victim")
+    save(h, donor, DONOR_SRC, "donor")
+    path = _corrupt(kind, h, victim, donor)
+    h.reset_counters()
+
+    dst = h.blocks_for(DST, SEQ_LEN)
+    good = BAD * CHUNK_SIZE
+    before = h.kv.clone()
+    assert h.load(victim, 0, CACHED, dst) == good
+    check_loaded(h, before, src, dst, good // h.block_size)
+    counters = h.counters()
+    assert counters["corrupt_chunks"] == 1
+    assert counters["load_errors"] == 1
+    assert counters["loaded_tokens"] == good
+    bad_chunk_bytes = (BAD + 1) * h.layout.blocks_per_chunk * h.layout.entry_bytes
+    if kind in ("flipped-byte", "forged-ids"):
+        # Vineyard itself returned the bad chunk: the trailer caught it.
+        assert counters["bytes_read"] >= bad_chunk_bytes
+    assert not os.path.exists(path), "the bad chunk was not removed"
+    assert h.lookup(victim) == (good, good)  # lookups see it gone
+
+    # Written again by a later save of the same prompt, then a full hit.
+    save(h, victim, SRC, "victim-again")
+    assert os.path.exists(path)
+    assert h.lookup(victim) == (CACHED, CACHED)
+    before = h.kv.clone()
+    assert h.load(victim, 0, CACHED, dst) == CACHED
+    check_loaded(h, before, src, dst, CACHED // h.block_size)
+    assert h.counters()["corrupt_chunks"] == 1  # no new one
+
+
+# --------------------------------------------------------------------------
+# Lookups read no KV
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def opened_paths() -> Iterator[list[str]]:
+    """Paths opened by this process (audit events) while recording."""
+    recording: list[str] = []
+    active = [True]
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if active[0] and event == "open" and args and isinstance(args[0], str):
+            recording.append(args[0])
+
+    sys.addaudithook(hook)  # cannot be removed: deactivated at teardown
+    yield recording
+    active[0] = False
+
+
+def test_lookups_read_no_kv(make_cache: CacheFactory, opened_paths: list[str]):
+    """Lookups of hits and misses, over two TP ranks' namespaces, open no
+    file and make no backend read a byte; they answer the whole chunks that
+    every rank holds (the minimum). A load then does read: the counter can
+    fail."""
+    ranks = [make_cache(tp_size=2, tp_rank=r, seed=r) for r in range(2)]
+    assert ranks[0].root != ranks[1].root
+    config = ranks[0].config
+    lookups = VineyardCacheLookup(config, [r.layout for r in ranks])
+    tokens, missing = make_tokens(SEQ_LEN), make_tokens(SEQ_LEN)
+    save(ranks[0], tokens[: 4 * CHUNK_SIZE + 1], SRC, "req")
+    save(ranks[1], tokens[: 2 * CHUNK_SIZE + 1], SRC, "req")
+    for r in ranks:
+        r.reader_stats()
+        r.reset_counters()
+
+    def lookup(t: list[int], num_local: int = 0) -> tuple[int, int]:
+        digests = extend_digests([], t, ranks[0].block_size)
+        return lookups.lookup(digests, num_local, len(t))
+
+    opened_paths.clear()
+    assert lookup(tokens) == (2 * CHUNK_SIZE, 2 * CHUNK_SIZE)  # the minimum
+    assert lookup(tokens, CHUNK_SIZE) == (CHUNK_SIZE, 2 * CHUNK_SIZE)
+    assert lookup(missing) == (0, 0)
+    for r in ranks:  # each rank alone
+        assert r.lookup(missing) == (0, 0)
+    assert ranks[0].lookup(tokens) == (CACHED, CACHED)
+    assert ranks[1].lookup(tokens) == (2 * CHUNK_SIZE, 2 * CHUNK_SIZE)
+    root = os.path.realpath(config.root)
+    assert not [p for p in opened_paths if os.path.realpath(p).startswith(root)]
+    for r in ranks:
+        r.reader_stats()
+        counters = r.counters()
+        assert counters["bytes_read"] == 0
+        assert counters["loaded_tokens"] == 0
+
+    h = ranks[0]
+    dst = h.blocks_for(DST, SEQ_LEN)
+    assert h.load(tokens, 0, CACHED, dst) == CACHED
+    assert h.counters()["bytes_read"] == CACHED // h.block_size * h.layout.entry_bytes
+
+
+# --------------------------------------------------------------------------
+# Keys, namespaces and modes
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def key_files(tmp_path: Path) -> dict[str, str]:
+    keys = {}
+    for name, secret in (("k1", "the first shared secret"), ("k2", "another secret!!")):
+        path = tmp_path / f"{name}.key"
+        path.write_text(secret + "\n")
+        keys[name] = str(path)
+    return keys
+
+
+def _plant(source: CacheHarness, target: CacheHarness) -> int:
+    """Copy every chunk file of ``source``'s namespace to the same place in
+    ``target``'s (chunk paths depend on the ids only); returns how many."""
+    files = chunk_files(source.root)
+    for path in files:
+        dest = os.path.join(target.root, os.path.relpath(path, source.root))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(path, dest)
+    return len(files)
+
+
+def test_keyed_caches_load_only_chunks_sealed_with_their_key(
+    make_cache: CacheFactory, key_files: dict[str, str]
+):
+    """Chunks written without the key, or with another key, planted in a
+    keyed namespace, are never loaded (a short load, counted, the file
+    removed); caches with the same key share hits; caches with different
+    keys on one root keep apart and each keeps hitting its own."""
+    k1 = make_cache(auth_key_file=key_files["k1"], seed=1)
+    k1_twin = make_cache(auth_key_file=key_files["k1"], seed=2)
+    k2 = make_cache(auth_key_file=key_files["k2"], seed=3)
+    plain = make_cache(seed=4)
+    assert k1.root == k1_twin.root
+    assert len({k1.root, k2.root, plain.root}) == 3
+    assert k1.root.endswith("-" + k1.layout.key_id)
+    assert plain.root.endswith("-nokey")
+
+    # The same key: one namespace, shared hits, bit for bit.
+    tokens = make_tokens(SEQ_LEN)
+    src = save(k1, tokens, SRC, "req")
+    assert k1_twin.lookup(tokens) == (CACHED, CACHED)
+    dst = k1_twin.blocks_for(DST, SEQ_LEN)
+    assert k1_twin.load(tokens, 0, CACHED, dst) == CACHED
+    n = CACHED // k1.block_size
+    assert same_bits(k1_twin.kv[:, dst[:n]], k1.kv[:, src[:n]])
+
+    # Different keys on one root: each writes and hits its own bytes.
+    src2 = save(k2, tokens, SRC, "req")
+    for h, s in ((k1, src), (k2, src2)):
+        before = h.kv.clone()
+        assert h.load(tokens, 0, CACHED, h.blocks_for(DST, SEQ_LEN)) == CACHED
+        check_loaded(h, before, s, h.blocks_for(DST, SEQ_LEN), n)
+        assert h.counters()["corrupt_chunks"] == 0
+
+    # Forged: another key's chunks, and unkeyed ones, planted under k1.
+    for writer in (k2, plain):
+        other = make_tokens(SEQ_LEN)
+        save(writer, other, SRC, "planted")
+        assert _plant(writer, k1) >= SEQ_CHUNKS
+        assert k1.lookup(other) == (CACHED, CACHED)  # the files are there
+        k1.reset_counters()
+        before = k1.kv.clone()
+        assert k1.load(other, 0, CACHED, k1.blocks_for(DST, SEQ_LEN)) == 0
+        assert same_bits(k1.kv, before), "planted KV was loaded"
+        counters = k1.counters()
+        assert counters["corrupt_chunks"] == 1  # the first chunk stops it
+        assert counters["load_errors"] == 1
+        assert not os.path.exists(k1.chunk_path(other, 0))
+    # k1's own chunks still hit.
+    assert k1.lookup(tokens) == (CACHED, CACHED)
+
+
+def _modes(root: str) -> tuple[set[int], set[int]]:
+    """The permission bits of the files and of the directories under (and
+    including) ``root``."""
+    files: set[int] = set()
+    dirs = {stat.S_IMODE(os.stat(root).st_mode)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirs.update(
+            stat.S_IMODE(os.stat(os.path.join(dirpath, d)).st_mode) for d in dirnames
+        )
+        files.update(
+            stat.S_IMODE(os.stat(os.path.join(dirpath, f)).st_mode) for f in filenames
+        )
+    return files, dirs
+
+
+def test_files_are_owner_only_by_default(small_cache: CacheHarness):
+    save(small_cache, make_tokens(SEQ_LEN), SRC, "req")
+    files, dirs = _modes(small_cache.root)
+    assert files == {0o600}
+    assert dirs == {0o700}
+
+
+def test_group_access_makes_files_group_readable(make_cache: CacheFactory):
+    h = make_cache(group_access=True)
+    save(h, make_tokens(SEQ_LEN), SRC, "req")
+    files, dirs = _modes(h.root)
+    # What umask 007 gives: the owner's bits for the group, none for others.
+    assert files and all(m & 0o060 == 0o060 and m & 0o007 == 0 for m in files)
+    assert dirs == {0o770}
+
+
+# --------------------------------------------------------------------------
+# Formats, chunk sizes and salts never mix
+# --------------------------------------------------------------------------
+
+
+def test_v1_namespace_on_the_same_root_is_never_read(small_cache: CacheHarness):
+    """An old-format (v1) namespace directory on the root, here even
+    holding files at the very paths that v2 computes, is never looked at:
+    v2 namespaces are named apart (version and chunk size in the name)."""
+    h = small_cache
+    name = os.path.basename(h.root)
+    assert name.startswith("v2-")
+    assert f"-c{CHUNK_SIZE}-" in name
+    v1_dir = os.path.join(h.config.root, "test-model-0123456789abcdef-tp1r0")
+    tokens = make_tokens(SEQ_LEN)
+    save(h, tokens, SRC, "req")
+    for path in chunk_files(h.root):
+        dest = os.path.join(v1_dir, os.path.relpath(path, h.root))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(path, dest)  # moved: only the v1 dir has them now
+    assert not chunk_files(h.root)
+    assert h.lookup(tokens) == (0, 0)
+    before = h.kv.clone()
+    assert h.load(tokens, 0, CACHED, h.blocks_for(DST, SEQ_LEN)) == 0
+    assert same_bits(h.kv, before)
+    assert h.counters()["corrupt_chunks"] == 0  # not even looked at
+
+
+def test_chunk_sizes_on_one_root_never_load_each_others_chunks(
+    small_cache: CacheHarness, make_cache: CacheFactory
+):
+    """Chunk files of one chunk size sit at the paths that another chunk
+    size would compute for other chunks (a 64-token chunk's path is the
+    32-token cache's second chunk's); namespaces keep them apart."""
+    h32 = small_cache
+    h64 = make_cache(root=Path(h32.config.root), chunk_size=2 * CHUNK_SIZE, seed=7)
+    assert h64.root != h32.root and f"-c{2 * CHUNK_SIZE}-" in h64.root
+    tokens = make_tokens(SEQ_LEN)
+    save(h64, tokens, SRC, "req")
+    assert h32.lookup(tokens) == (0, 0)
+    before = h32.kv.clone()
+    assert h32.load(tokens, 0, CACHED, h32.blocks_for(DST, SEQ_LEN)) == 0
+    assert same_bits(h32.kv, before)
+    # Each keeps its own.
+    src = save(h32, tokens, SRC, "req")
+    assert h32.load(tokens, 0, CACHED, h32.blocks_for(DST, SEQ_LEN)) == CACHED
+    n = CACHED // h32.block_size
+    assert same_bits(h32.kv[:, h32.blocks_for(DST, SEQ_LEN)[:n]], h32.kv[:, src[:n]])
+    assert h64.lookup(tokens) == (CACHED, CACHED)
+
+
+def test_salts_name_different_blocks_from_the_first_on() -> None:
+    tokens = make_tokens(5 * 16)
+    plain = extend_digests([], tokens, 16)
+    a = extend_digests([], tokens, 16, "tenant-a")
+    a_again = extend_digests([], tokens, 16, "tenant-a")
+    b = extend_digests([], tokens, 16, "tenant-b")
+    empty = extend_digests([], tokens, 16, "")
+    assert a == a_again
+    for other in (plain, b, empty):
+        assert all(x != y for x, y in zip(a, other, strict=True))
+    assert all(x != y for x, y in zip(plain, empty, strict=True))
+    assert synthetic_ids(a) == synthetic_ids(a_again)
+    assert synthetic_ids(a)[0] != synthetic_ids(b)[0]
+    # Incremental extension gives the same chain.
+    grown = extend_digests([], tokens[:32], 16, "tenant-a")
+    assert extend_digests(grown, tokens, 16, "tenant-a") == a
+
+
+def test_salted_requests_share_kv_only_with_the_same_salt(
+    small_cache: CacheHarness,
+):
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    try:
+        h.salt = "tenant-a"
+        src = save(h, tokens, SRC, "req")
+        assert h.lookup(tokens) == (CACHED, CACHED)
+        h.salt = "tenant-b"
+        assert h.lookup(tokens) == (0, 0)
+        h.salt = None
+        assert h.lookup(tokens) == (0, 0)
+        h.salt = "tenant-a"
+        dst = h.blocks_for(DST, SEQ_LEN)
+        assert h.load(tokens, 0, CACHED, dst) == CACHED
+        n = CACHED // h.block_size
+        assert same_bits(h.kv[:, dst[:n]], h.kv[:, src[:n]])
+    finally:
+        h.salt = None
+
+
+def test_trailer_size_is_part_of_every_entry(small_cache: CacheHarness):
+    """One vineyard entry per block of all layers: a chunk file is the
+    header and ``blocks_per_chunk`` entries of payload plus trailer."""
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    save(h, tokens, SRC, "req")
+    layout = h.layout
+    assert layout.entry_bytes == layout.num_layers * layout.block_bytes + TRAILER_BYTES
+    for c in range(SEQ_CHUNKS):
+        path = h.chunk_path(tokens, c)
+        ids = read_header_ids(path)
+        assert ids == h.ids(tokens)[: (c + 1) * layout.blocks_per_chunk]
+        assert os.path.getsize(path) == h.cache.files.file_bytes(len(ids))
