@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A real size-limited filesystem under the cache root (a tmpfs, which
+returns ENOSPC when full, and read-only when remounted so): failed writes
+are counted as write errors and never as completed updates, no partial
+chunk is ever visible or loadable, reads go on, and once the sweeper has
+made room writes resume by themselves."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vineyard_disk_testing import (
+    CHUNK_SIZE,
+    Harness,
+    chunk_files,
+    open_cache,
+    partial_chunk_files,
+    remount,
+    tmpfs,
+    wait_until,
+)
+
+from vllm.worker.vineyard_backend import _write_error_reason
+from vllm.worker.vineyard_sweeper import RootSweeper
+
+FS_BYTES = 1 << 20  # about 50 chunks of 16.5 KB (20 KiB on disk each)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs, unmounted at teardown (skipped where mounting is not
+    permitted: it needs root)."""
+    try:
+        with tmpfs(tmp_path / "fs", FS_BYTES) as path:
+            yield path
+    except PermissionError as e:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {e}")
+
+
+def prefixes(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(1, 32000) for _ in range(4 * CHUNK_SIZE + 1)] for _ in range(n)
+    ]
+
+
+def assert_consistent(h: Harness) -> None:
+    """Every update ended as completed or failed, none is pending."""
+    c = h.counters()
+    assert c["updates_submitted"] == c["updates_completed"] + c["updates_failed"]
+
+
+def test_full_disk_fails_cleanly_then_recovers(small_fs: Path) -> None:
+    """Write prefixes until the filesystem is full: the failed writes are
+    counted (``write_errors``, ``updates_failed``), never as completed; no
+    chunk file is ever partial; every load is verified (a prefix that did
+    not fit loads only its leading whole chunks, bit-exact). Then the
+    writer's own sweeper (its budget far above the filesystem, so only the
+    free-space rule applies) evicts, and writes succeed again without
+    anything else being done."""
+    h = open_cache(small_fs, disk_limit_gb=100.0, sweep_interval_s=1.0)
+    try:
+        written: list[list[int]] = []
+        # Fill: fast writes, while the sweeps come once a second.
+        for tokens in prefixes(200, seed=10):
+            h.write(tokens, max_saves=1)
+            written.append(tokens)
+            if h.counters()["write_errors"]:
+                break
+        c = h.counters()
+        assert c["write_errors"] >= 1, "the filesystem never filled"
+        assert c["updates_failed"] >= c["write_errors"] >= 1
+        assert c["updates_completed"] < c["updates_submitted"]
+        assert c["tokens_rejected"] == 0  # a write error is no prefix refusal
+        assert_consistent(h)
+        assert partial_chunk_files(h.files) == []
+
+        # Reads go on; what was cut short loads only whole verified chunks
+        # (h.load checks the bytes).
+        failed = written[-1]
+        assert h.load(failed) < 4 * CHUNK_SIZE
+        assert max(h.load(tokens) for tokens in written[:-1]) == 4 * CHUNK_SIZE
+        assert h.counters()["corrupt_chunks"] == 0
+
+        # The sweeper makes room by itself (15% of the filesystem a sweep:
+        # down to the low-water mark); then writes work again, the failed
+        # prefix's included.
+        def room() -> bool:
+            h.poll_stats()
+            st = os.statvfs(small_fs)
+            free = st.f_bavail * st.f_frsize
+            return h.counters()["evicted_chunks"] > 0 and free > 0.12 * FS_BYTES
+
+        assert wait_until(room, 30.0), "the sweeper never made room"
+        h.reset_counters()
+        for tokens in (failed, *prefixes(1, seed=11)):
+            h.write(tokens, max_saves=1)
+            assert h.load(tokens) == 4 * CHUNK_SIZE
+        c = h.counters()
+        assert c["write_errors"] == 0 and c["updates_failed"] == 0
+        assert c["updates_completed"] == c["updates_submitted"] > 0
+        assert partial_chunk_files(h.files) == []
+    finally:
+        h.cache.close()
+
+
+def test_a_write_error_on_every_write(small_fs: Path) -> None:
+    """The filesystem turns read-only under the cache: every update fails
+    and is counted as a write error, none as completed; what was cached
+    before still loads (reads go on); the sweeper survives it; back to
+    read-write, writes work again."""
+    h = open_cache(small_fs, sweep_interval_s=3600.0)
+    try:
+        before, *during = prefixes(4, seed=20)
+        h.write(before)
+        assert h.load(before) == 4 * CHUNK_SIZE
+        h.reset_counters()
+        remount(small_fs, "ro")
+        try:
+            assert "not writable" in _write_error_reason(h.files.root, 1)
+            for tokens in during:
+                h.write(tokens, max_saves=2)
+            c = h.counters()
+            assert c["updates_submitted"] == 2 * len(during)
+            assert c["write_errors"] == c["updates_failed"] == c["updates_submitted"]
+            assert c["updates_completed"] == 0 and c["tokens_written"] == 0
+            assert h.load(before) == 4 * CHUNK_SIZE
+            assert all(h.load(tokens) == 0 for tokens in during)
+            # Expire everything: nothing can be removed, nothing raises.
+            s = RootSweeper(str(small_fs), 1, ttl_s=1.0, interval_s=3600.0)
+            s.sweep(now=1e12)
+            assert len(chunk_files(small_fs)) == 4
+        finally:
+            remount(small_fs, "rw")
+        h.reset_counters()
+        h.write(during[0])
+        assert h.load(during[0]) == 4 * CHUNK_SIZE
+        assert h.counters()["write_errors"] == 0
+    finally:
+        h.cache.close()
+        assert os.path.ismount(small_fs)
