@@ -95,11 +95,15 @@ def test_other_model_never_loads_first_models_kv(
     ]
     assert run.delta(1, "loaded_tokens") == sum(run.rounds[1].num_cached_tokens)
     # What it loaded is its own KV: the outputs of the round with hits are
-    # those of this model without the cache.
-    assert (
-        run.rounds[1].outputs
-        == reference(model, [shared_a, shared_b, other], **kwargs).last.outputs
-    )
+    # those of this model without the cache. Not in bfloat16: there a
+    # prefill split at another token (a cached prefix vs one pass) rounds
+    # differently, as with vLLM's own prefix cache, so equal outputs are
+    # not expected (round 0 above, with no hit, is compared).
+    if llm_kwargs.get("dtype") != "bfloat16":
+        assert (
+            run.rounds[1].outputs
+            == reference(model, [shared_a, shared_b, other], **kwargs).last.outputs
+        )
     if variant == "other_checkpoint":
         # Same prompts, other weights: loading the first model's KV would
         # have shown in the outputs.
