@@ -21,6 +21,7 @@ a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import mmap
@@ -94,6 +95,43 @@ def _write_error_reason(path: str, need_bytes: int) -> str:
     if not os.access(path, os.W_OK):
         return "cache root not writable"
     return "write failed (I/O error or quota; vineyard does not report errno)"
+
+
+def _release_failed_temp_files(temp_dir: str) -> int:
+    """Close and delete the temp files of writes that failed.
+
+    When a chunk write fails (ENOSPC, EIO), vineyard returns without closing
+    the temp file it was writing: the descriptor leaks, and with it the
+    space the partial file holds, even after the file is deleted. On a disk
+    that stays full, one leaks per failed chunk until the process runs out
+    of descriptors (and then cannot read either). Vineyard opens and closes
+    every file within a call, so after ``update`` returns any descriptor of
+    this process still open on a file under its temp folder is such a leak.
+    Returns how many were released."""
+    prefix = temp_dir.rstrip(os.sep) + os.sep
+    released = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0  # no procfs: nothing to find
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith(prefix):
+            continue
+        try:
+            os.close(int(name))
+        except OSError:
+            continue
+        released += 1
+        path = target.removesuffix(" (deleted)")
+        if path != target:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # a partial file: the retry writes it anew
+    return released
 
 
 class _VineyardServer:
@@ -182,6 +220,7 @@ class _VineyardServer:
                         self._spec.root, self._files.file_bytes(len(failed))
                     )
                     self._stats["write_errors"] += 1
+                    _release_failed_temp_files(os.path.join(self._spec.root, "__temp"))
             self._stats["bytes_written"] += stored * self._spec.entry_bytes
             results.append((stored, error))
         return {"stored": results, "stats": self.take_stats()}
