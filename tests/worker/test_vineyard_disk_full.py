@@ -26,7 +26,7 @@ from vineyard_disk_testing import (
 )
 
 from vllm.worker.vineyard_backend import _write_error_reason
-from vllm.worker.vineyard_sweeper import RootSweeper
+from vllm.worker.vineyard_sweeper import TEMP_DIR, RootSweeper
 
 FS_BYTES = 1 << 20  # about 50 chunks of 16.5 KB (20 KiB on disk each)
 
@@ -144,3 +144,41 @@ def test_a_write_error_on_every_write(small_fs: Path) -> None:
     finally:
         h.cache.close()
         assert os.path.ismount(small_fs)
+
+
+def open_files_under(pid: int, root: Path) -> list[str]:
+    """The files process ``pid`` holds open under ``root``."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root) + os.sep):
+            found.append(target)
+    return found
+
+
+def test_failed_writes_release_their_files(small_fs: Path) -> None:
+    """Vineyard leaves the temp file of a failed chunk write open (and so
+    its partial bytes allocated, even once deleted): on a disk that stays
+    full the writer would run out of descriptors. After many failed writes
+    the writer holds no file under the root open and no partial temp file
+    takes space."""
+    h = open_cache(small_fs, sweep_interval_s=3600.0)
+    try:
+        pid = h.cache.backend_pids()["write"]
+        assert pid is not None
+        for tokens in prefixes(60, seed=30):
+            h.write(tokens, max_saves=1)
+        assert h.counters()["write_errors"] >= 10
+        assert open_files_under(pid, small_fs) == []
+        temp_bytes = 0
+        for dirpath, _, filenames in os.walk(small_fs):
+            if TEMP_DIR in Path(dirpath).parts:
+                temp_bytes += sum(
+                    os.path.getsize(os.path.join(dirpath, f)) for f in filenames
+                )
+        assert temp_bytes == 0
+    finally:
+        h.cache.close()
