@@ -10,7 +10,9 @@ when the chunk is written and a verified hit sets it again. Each sweep:
 - expires chunks unused for longer than the TTL (if one is set);
 - evicts the least recently used chunks when the root is over its budget
   (high-water mark) down to a low-water mark. The budget is the disk limit,
-  or less when the filesystem runs low: a full disk makes room for itself;
+  or less when the filesystem runs low: a full disk makes room for itself.
+  The marks leave room for at least one (high) and two (low) of the
+  largest chunks, however small the filesystem;
 - removes temporary files older than :data:`TEMP_MAX_AGE_S` (a write takes
   seconds; older ones belong to a writer that died) and empty directories
   (vineyard leaves one per write under ``__temp``).
@@ -120,13 +122,18 @@ class RootSweeper:
             chunks = live
         total = sum(chunk[1] for chunk in chunks)
         budget = self.budget(total)
-        if total > HIGH_WATER * budget:
+        # A write needs room for a whole chunk: when the margins are smaller
+        # than one (a small filesystem, big chunks), a full disk would stay
+        # just too full to take the next chunk and never reach the mark.
+        largest = max((chunk[1] for chunk in chunks), default=0)
+        high = min(HIGH_WATER * budget, budget - largest)
+        if total > high:
             # Least recently used first; among chunks last used in the same
             # second (one write or one hit), the later chunks of a prefix
             # first (their files are longer), so what stays is still a
             # usable prefix.
             chunks.sort(key=lambda c: (int(c[0]), -c[3]))
-            target = LOW_WATER * budget
+            target = min(LOW_WATER * budget, budget - 2 * largest)
             evicted = done = 0
             for _, size, path, _ in chunks:
                 if total <= target:
