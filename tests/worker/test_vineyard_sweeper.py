@@ -108,15 +108,31 @@ def test_same_use_evicts_the_tail_of_a_prefix_first(tmp_path: Path) -> None:
     first: in a namespace the later chunks of a prefix are the longer files
     (they hold more ids), so what is left is still a usable prefix."""
     now = time.time()
+    on_disk = 7 * 4096  # every file below takes 7 blocks
     # Written in order within one second: the first chunk is the oldest.
-    chunks = [
-        put_file(chunk_path(tmp_path, i), int(now) + 0.1 * i, CHUNK_BYTES + 8 * i)
+    prefix = [
+        put_file(chunk_path(tmp_path, i), int(now) - 5 + 0.1 * i, 24584 + 8 * i)
         for i in range(4)
     ]
-    # Over a budget of a bit more than three: the longest one goes.
-    budget = sum(disk_bytes(p) for p in chunks[:3]) / LOW_WATER
-    RootSweeper(str(tmp_path), int(budget) + 100, 0.0, 3600.0).sweep(now)
-    assert [p.exists() for p in chunks] == [True, True, True, False]
+    for i in range(20):  # used later
+        put_file(chunk_path(tmp_path, 100 + i), now, 24600)
+    # 24 chunks over a budget of 25: down to 21.25, three go.
+    RootSweeper(str(tmp_path), 25 * on_disk, 0.0, 3600.0).sweep(now)
+    assert [p.exists() for p in prefix] == [True, False, False, False]
+    assert len(chunk_files(tmp_path)) == 21
+
+
+def test_small_budget_keeps_room_for_a_chunk(tmp_path: Path) -> None:
+    """When 5% of the budget is less than a chunk (a small filesystem, big
+    chunks) the marks still leave room for one chunk (high) and two (low):
+    otherwise a full disk could stay just too full for the next write."""
+    now = time.time()
+    for i in range(3):
+        put_file(chunk_path(tmp_path, i), now - 10 + i)
+    s = sweeper(tmp_path, limit_chunks=3.5)  # 3 chunks are 86%: no margin
+    s.sweep(now)
+    assert len(chunk_files(tmp_path)) == 1
+    assert s.take_stats()["evicted_chunks"] == 2
 
 
 @pytest.mark.parametrize("ttl_s", [0.0, 600.0])
@@ -147,7 +163,7 @@ def test_temp_leftovers_and_placeholders(tmp_path: Path) -> None:
     old_empty = put_file(chunk_path(tmp_path, 1), now - TEMP_MAX_AGE_S - 5, 0)
     young_empty = put_file(chunk_path(tmp_path, 2), now - 5, 0)
     chunk = put_file(chunk_path(tmp_path, 3), now - LONG_AGO)
-    s = sweeper(tmp_path, limit_chunks=1.5)  # the one chunk fits
+    s = sweeper(tmp_path, limit_chunks=10)  # the one chunk fits
     s.sweep(now)
     assert not old_temp.exists() and not old_empty.exists()
     assert young_temp.exists() and young_empty.exists() and chunk.exists()
@@ -285,7 +301,7 @@ def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
 
 
 def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
-    """Evicting chunk 1 of 4 leaves chunks 2 and 3 on disk but unreachable:
+    """Evicting chunk 1 of 4 leaves chunk 2 on disk but unreachable:
     the lookup stops at the gap, a load loads chunk 0 only (verified, and
     counted as a short load), nothing past the gap is read; writing the
     prefix again fills the gap and it loads whole again."""
@@ -299,7 +315,9 @@ def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
     age(paths[1], now - 100)  # the least recently used
     total = sum(disk_bytes(p) for p in paths)
     RootSweeper(h.cache.config.root, total, 0.0, 3600.0).sweep(now)
-    assert [os.path.exists(p) for p in paths] == [True, False, True, True]
+    # Chunk 1 first (least recently used), then chunk 3 (the tail of the
+    # rest): chunk 2 stays on disk behind the gap.
+    assert [os.path.exists(p) for p in paths] == [True, False, True, False]
 
     lookup = VineyardCacheLookup(h.cache.config, [h.cache.layout])
     assert lookup.lookup(h.digests(tokens), 0, len(tokens)) == (32, 32)
