@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Real engines on a cache root that fills up and is swept.
+
+- One engine on a small tmpfs (a real filesystem that returns ENOSPC): it
+  fills it, keeps generating exactly what an engine without the cache
+  does, counts the failed writes, its sweeper evicts (the disk limit is far
+  above the filesystem: the free-space rule alone), and it writes again.
+- Three engines (separate processes started together) writing overlapping
+  prefixes to one root with a disk limit of a few chunks, so eviction runs
+  while they write and read: outputs identical to no cache, and every
+  engine gets hits in a second round.
+
+vLLM's local prefix cache is off, so every hit comes from vineyard.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vineyard_engine_testing import (
+    CHUNK_SIZE,
+    EngineRun,
+    ReferenceRunner,
+    engine_env,
+    random_tokens,
+    run_engine,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 8
+LLM_KWARGS: dict[str, Any] = {"enable_prefix_caching": False}
+MiB = 1 << 20
+#: A chunk of the default toy model: 256 tokens x 4 layers x K, V x
+#: 2 heads x 64 x float32 = 1 MiB (and its trailers and ids).
+FS_BYTES = 4 * MiB
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[list[int]]]:
+    rng = random.Random(21)
+    base = random_tokens(rng, 3 * CHUNK_SIZE)
+    return {
+        "fill": [random_tokens(rng, 1300) for _ in range(2)],
+        "after": [random_tokens(rng, 1300)],
+        # Three prompts sharing a 3-chunk prefix, one more chunk each.
+        "shared": [base + random_tokens(rng, 300) for _ in range(3)],
+    }
+
+
+@pytest.fixture(scope="module")
+def no_cache(
+    toy_model: str, prompts: dict[str, list[list[int]]], reference: ReferenceRunner
+) -> dict[str, list[list[int]]]:
+    """What an engine without the cache generates (one reference run)."""
+    names = ("fill", "after", "shared")
+    outputs = reference(
+        toy_model, [p for n in names for p in prompts[n]], MAX_TOKENS
+    ).last.outputs
+    out: dict[str, list[list[int]]] = {}
+    for n in names:
+        out[n], outputs = outputs[: len(prompts[n])], outputs[len(prompts[n]) :]
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_fs(module_dir: Path) -> Iterator[Path]:
+    import subprocess
+
+    path = module_dir / "fs"
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs: {done.stderr.strip()}")
+    yield path
+    if subprocess.run(["umount", str(path)]).returncode:
+        subprocess.run(["umount", "-l", str(path)])
+
+
+@pytest.fixture(scope="module")
+def full_disk(
+    toy_model: str,
+    prompts: dict[str, list[list[int]]],
+    small_fs: Path,
+    module_dir: Path,
+) -> EngineRun:
+    """Round 0 writes 10 chunks to a filesystem that holds 3; round 1
+    repeats those prompts; round 2 brings a new one."""
+    env = engine_env(small_fs, extra={"VINEYARD_CACHE_SWEEP_INTERVAL_S": "2"})
+    return run_engine(
+        toy_model,
+        [
+            {"prompts": prompts["fill"], "max_tokens": MAX_TOKENS},
+            {"prompts": prompts["fill"], "max_tokens": MAX_TOKENS},
+            {"prompts": prompts["after"], "max_tokens": MAX_TOKENS},
+        ],
+        env,
+        module_dir / "full_disk",
+        llm_kwargs=LLM_KWARGS,
+    )
+
+
+def test_full_disk_engine(
+    full_disk: EngineRun, no_cache: dict[str, list[list[int]]]
+) -> None:
+    """Outputs identical to no cache throughout; write errors counted
+    (never as completed updates); evictions; writes again afterwards."""
+    run = full_disk
+    assert run.rounds[0].outputs == no_cache["fill"]
+    assert run.rounds[1].outputs == no_cache["fill"]
+    assert run.rounds[2].outputs == no_cache["after"]
+    last = run.last
+    assert last.counter("write_errors") > 0
+    assert last.counter("updates_failed") >= 1
+    assert last.counter("updates_completed") < last.counter("updates_submitted")
+    assert last.counter("evicted_chunks") > 0
+    assert last.counter("corrupt_chunks") == 0
+    # Writes resume once the sweeper has made room: new prompts are saved.
+    assert run.delta(2, "tokens_written") > 0
+    assert last.counter("loaded_tokens") == last.counter("hit_tokens")
+    names = ("tokens_written", "write_errors", "updates_failed", "evicted_chunks")
+    print("full disk:", {name: last.counter(name) for name in names})
+
+
+@pytest.fixture(scope="module")
+def three_engines(
+    toy_model: str, prompts: dict[str, list[list[int]]], module_dir: Path
+) -> list[EngineRun]:
+    """Three engines started together on one root, a budget of about five
+    chunks (six distinct chunks are written). Engine ``i`` writes shared
+    prompts ``i`` and ``i + 1`` (so every pair of engines writes some same
+    chunks at once), then generates all three."""
+    shared = prompts["shared"]
+    env = engine_env(
+        module_dir / "shared_root",
+        extra={
+            "VINEYARD_CACHE_DISK_LIMIT_GB": str(5 * MiB / (1 << 30)),
+            "VINEYARD_CACHE_SWEEP_INTERVAL_S": "1",
+        },
+    )
+    runs: list[EngineRun | None] = [None] * 3
+    errors: list[BaseException] = []
+
+    def start(i: int) -> None:
+        try:
+            runs[i] = run_engine(
+                toy_model,
+                [
+                    {"prompts": [shared[i], shared[(i + 1) % 3]]},
+                    {"prompts": shared},
+                ],
+                env,
+                module_dir / f"engine_{i}",
+                llm_kwargs=LLM_KWARGS,
+            )
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with pytest.MonkeyPatch.context() as mp:
+        # One fresh interpreter per engine: the fork server runs one at a
+        # time.
+        mp.setenv("VINEYARD_ENGINE_TESTS_FORK_SERVER", "0")
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in runs if r is not None]
+
+
+def test_three_engines_one_root(
+    three_engines: list[EngineRun], no_cache: dict[str, list[list[int]]]
+) -> None:
+    """No crash, no wrong output, hits on every engine, no corrupt chunk,
+    while eviction runs; the counters show what the races cost."""
+    expected = no_cache["shared"]
+    assert len(three_engines) == 3
+    for i, run in enumerate(three_engines):
+        assert run.rounds[0].outputs == [expected[i], expected[(i + 1) % 3]]
+        assert run.rounds[1].outputs == expected
+        assert run.delta(1, "hit_tokens") > 0, f"engine {i} got no hit"
+        assert run.last.counter("corrupt_chunks") == 0
+        assert run.last.counter("write_errors") == 0
+    assert sum(r.last.counter("evicted_chunks") for r in three_engines) > 0
+    summary = {
+        name: [r.last.counter(name) for r in three_engines]
+        for name in (
+            "tokens_written",
+            "tokens_rejected",
+            "hit_tokens",
+            "loaded_tokens",
+            "load_errors",
+            "evicted_chunks",
+            "updates_failed",
+        )
+    }
+    print("three engines on one root:", summary)
