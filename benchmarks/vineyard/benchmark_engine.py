@@ -76,12 +76,14 @@ class Plan:
     rounds: int = 2
     ttft_tokens: int = 4096  # cached length of a TTFT probe
     probes: int = 3
-    max_num_batched_tokens: int = 2048
+    # One step takes a whole TTFT probe: ExampleConnector stores only the
+    # first step's KV of a prompt (it has no chunked prefill).
+    max_num_batched_tokens: int = 4096 + 256
     kvcache_space_gib: int = 2
 
 
 TINY = Plan(models=["tiny"], prompts=4, prompt_tokens=(256, 512), max_tokens=2,
-            rounds=1, ttft_tokens=512, probes=1, max_num_batched_tokens=512,
+            rounds=1, ttft_tokens=512, probes=1, max_num_batched_tokens=768,
             kvcache_space_gib=1)  # fmt: skip
 
 
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS))
     parser.add_argument("--rounds", type=int, help="throughput rounds per config")
+    parser.add_argument("--prompts", type=int, help="prompts per throughput round")
+    parser.add_argument("--probes", type=int, help="timed TTFT probes per config")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--plot", metavar="PNG", help="draw the results here")
     parser.add_argument("--workdir", help="engines' logs and roots (default: temp)")
@@ -311,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = TINY if args.tiny else Plan()
     if args.models:
         plan = replace(plan, models=args.models)
-    if args.rounds:
-        plan = replace(plan, rounds=args.rounds)
+    for name in ("rounds", "prompts", "probes"):
+        if getattr(args, name):
+            plan = replace(plan, **{name: getattr(args, name)})
     # Inherited by the harness's fork server and every engine; the cache's
     # backends widen their affinity to the other cores.
     os.environ["OMP_NUM_THREADS"] = "1"
