@@ -417,6 +417,8 @@ class VineyardLLMCache:
             self._write_memory, min(config.min_inflight_tasks, num_buffers), num_buffers
         )
         self._read_events: list[torch.cuda.Event | None] = [None, None]
+        bpc = layout.blocks_per_chunk
+        self._load_segment_blocks = max(bpc, self.max_blocks // 4 // bpc * bpc)
         self._reader: BackendProcess | None = None
         self._writer: BackendProcess | None = None
         self._updater: _AsyncUpdater | None = None
@@ -515,9 +517,10 @@ class VineyardLLMCache:
         it is copied. Returns the end of what was loaded; less than ``end``
         means the rest must be recomputed.
 
-        Segments of one buffer each are read in turn; the read of segment
-        ``k + 1`` runs in the reader process while segment ``k`` is copied
-        into the KV blocks here.
+        Segments of a quarter buffer (whole chunks) are read in turn; the
+        read of segment ``k + 1`` runs in the reader process while segment
+        ``k`` is copied into the KV blocks here, so a load costs about one
+        read plus one segment's copy, not a read plus a copy.
         """
         bs = self.layout.block_size
         assert start % bs == 0 and end % bs == 0
@@ -528,10 +531,8 @@ class VineyardLLMCache:
         t0 = time.perf_counter()
         first, last = start // self.chunk_size * self.layout.blocks_per_chunk, end // bs
         ids = synthetic_ids(digests[:last])
-        segments = [
-            (b, min(b + self.max_blocks, last))
-            for b in range(first, last, self.max_blocks)
-        ]
+        step = self._load_segment_blocks
+        segments = [(b, min(b + step, last)) for b in range(first, last, step)]
 
         def query(k: int) -> None:
             s, e = segments[k]
