@@ -61,6 +61,7 @@ class VineyardConnectorWorker:
         self.cache: VineyardLLMCache | None = None
         self._requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
+        self._short_loads: set[str] = set()
         self._tp_world_size = 1
         self.start_failures = 0  # not yet reported in the stats
 
@@ -113,6 +114,10 @@ class VineyardConnectorWorker:
             if loaded < end:
                 bs = self.cache.layout.block_size
                 self._load_errors.update(state.block_ids[loaded // bs : end // bs])
+                # vLLM discards this step for the request and recomputes
+                # from ``loaded``: its KV after that is not right until then.
+                self._short_loads.add(delta.req_id)
+                self.cache.resume_from(delta.req_id, loaded)
 
     def wait_for_save(self, meta: VineyardConnectorMetadata) -> None:
         if not meta.requests:  # the same on every rank
@@ -126,6 +131,10 @@ class VineyardConnectorWorker:
             may_save = bool(flag.item())
         if self.cache is None:
             return
+        # A request whose load came up short attended to blocks that were
+        # never filled: nothing of this step is saved for it (later steps
+        # save what vLLM recomputes).
+        short, self._short_loads = self._short_loads, set()
         saves = [
             SaveRequest(
                 req_id=delta.req_id,
@@ -135,6 +144,7 @@ class VineyardConnectorWorker:
                 save_from=delta.save_from,
             )
             for delta in meta.requests
+            if delta.req_id not in short
         ]
         self.cache.save(saves, may_take_buffer=may_save)
 

@@ -493,7 +493,8 @@ class VineyardLLMCache:
 
     def _poll_writer_stats(self) -> None:
         if self._writer is not None and self._writer.disabled_reason is None:
-            self.metrics.record(self._writer.call("stats"))
+            self._send(self._writer, "stats")
+            self.metrics.record(self._receive(self._writer))
 
     def _rewind(self, task: _UpdateTask) -> None:
         self._failed_origins.extend((s.req_id, s.first_token) for s in task.segments)
@@ -667,6 +668,12 @@ class VineyardLLMCache:
             # Bounded: a stalled backend is killed after its timeout.
             task.done.wait(self.config.backend_timeout_s + 5.0)
         return True
+
+    def resume_from(self, req_id: str, token: int) -> None:
+        """Save a request's chunks from ``token`` on (e.g. after a short
+        load: the chunks it recomputes replace the ones that were bad)."""
+        chunk_start = token // self.chunk_size * self.chunk_size
+        self._resume[req_id] = min(self._resume.get(req_id, chunk_start), chunk_start)
 
     def release(self, req_id: str) -> None:
         """Forget a request's resume point (its blocks are being freed)."""

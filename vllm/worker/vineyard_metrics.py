@@ -113,9 +113,8 @@ class VineyardCacheMetrics:
 
 @dataclass
 class VineyardConnectorStats(KVConnectorStats):
-    """Counters (summed), gauges (summed across ranks: each rank's writer
-    sweeps the same root, so the largest is kept) and timings
-    (concatenated)."""
+    """Counters (summed), gauges (the largest: each rank's writer samples
+    the same root) and timings (concatenated)."""
 
     def __post_init__(self) -> None:
         for name in COUNTERS:

@@ -159,6 +159,44 @@ def test_short_load_reports_exactly_the_unloaded_blocks(
     assert admit(make_scheduler(config, [worker.layout]), req) == 2 * CHUNK_SIZE
 
 
+def test_no_save_from_a_step_whose_load_came_up_short(tmp_path: Path) -> None:
+    """A transient read failure (the reader stalls past its timeout) while
+    every chunk is on disk: the load is short, and the step's forward pass
+    attended to blocks that were never filled, so the chunks it completes
+    must NOT be saved (vineyard would accept them: their prefix is on
+    disk). Once vLLM has recomputed from the failed block (it rolls the
+    request back), the worker saves those chunks."""
+    config = make_config(tmp_path, backend_timeout_s=2.0)
+    w = make_worker(config, make_layout())
+    try:
+        prompt = random_tokens(6 * CHUNK_SIZE + 3)
+        save_prompt(config, w, prompt[: 4 * CHUNK_SIZE + 1], list(range(0, 5)))
+        sched = make_scheduler(config, [w.layout])
+        req = make_request("short-then-recomputed", prompt)
+        assert admit(sched, req) == 4 * CHUNK_SIZE
+        tail = chunk_path(w, prompt, 4)
+        written = w.cache.metrics.snapshot()["tokens_written"]
+
+        os.kill(w.pid("read"), signal.SIGSTOP)
+        blocks = list(range(10, 10 + 6 * BLOCKS_PER_CHUNK + 1))
+        run_step(sched, Step(new=[(req, blocks, 2 * CHUNK_SIZE + 3)]), [w])
+        assert w.worker.take_load_errors() == set(blocks[: 4 * BLOCKS_PER_CHUNK])
+        w.wait_for_writes()
+        assert not os.path.exists(tail)
+        assert w.cache.metrics.snapshot()["tokens_written"] == written
+
+        req.num_computed_tokens = 0  # vLLM's rollback to the failed block
+        run_step(sched, Step(running=[(req, [], 6 * CHUNK_SIZE + 3)]), [w])
+        w.wait_for_writes()
+        # A buffer holds one step's worth of chunks: the rest goes next step.
+        run_step(sched, Step(running=[(req, [], 1)]), [w])
+        w.wait_for_writes()
+        assert os.path.exists(tail)
+        assert w.cache.metrics.snapshot()["tokens_written"] > written
+    finally:
+        w.close()
+
+
 def test_preempted_while_saving_loses_nothing(
     config: VineyardLLMCacheConfig, worker: WorkerHarness
 ) -> None:
