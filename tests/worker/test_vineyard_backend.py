@@ -25,8 +25,8 @@ from vineyard_cache_testing import (
     pid_exists,
     same_bits,
     stop_process,
-    wait_until,
 )
+from vineyard_testing import wait_until
 
 SEQ_LEN = 4 * CHUNK_SIZE + 3
 CACHED = 4 * CHUNK_SIZE

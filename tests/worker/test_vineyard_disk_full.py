@@ -22,8 +22,8 @@ from vineyard_disk_testing import (
     partial_chunk_files,
     remount,
     tmpfs,
-    wait_until,
 )
+from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_backend import _write_error_reason
 from vllm.worker.vineyard_sweeper import TEMP_DIR, RootSweeper

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_llm_cache import (
     UpdateResult,
@@ -106,15 +107,6 @@ def updaters() -> Iterator[list[Updater]]:
     for u in made:
         u.updater.shutdown()
         u.updater.join(5.0)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 # --------------------------------------------------------------------------
@@ -314,10 +306,7 @@ def test_updater_goes_on_after_a_failed_write(
     tasks = []
     for tag in range(6):
         # Two buffers: wait for one to come back, failed or not.
-        deadline = time.monotonic() + 5.0
-        while pool.num_free == 0:
-            assert time.monotonic() < deadline, "buffer not returned"
-            time.sleep(0.001)
+        assert wait_until(lambda: pool.num_free > 0, 5.0), "buffer not returned"
         task = make_task(pool, tag)
         u.updater.submit(task)
         tasks.append(task)
@@ -351,7 +340,7 @@ def test_updater_shutdown_drains_within_the_timeout_and_drops_the_rest(
     def write(task: _UpdateTask) -> UpdateResult:
         if tag_of(task) == 1:
             updater = u.updater
-            assert wait_for(
+            assert wait_until(
                 lambda: (
                     updater._stopping.is_set() and time.monotonic() > updater._deadline
                 )

@@ -28,8 +28,8 @@ from vineyard_cache_testing import (
     make_tokens,
     pid_exists,
     stop_process,
-    wait_until,
 )
+from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_backend import BackendError, BackendProcess
 from vllm.worker.vineyard_llm_cache import SaveRequest

@@ -17,13 +17,13 @@ import os
 import random
 import signal
 import struct
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from vineyard_testing import resume_processes, wait_for_writes, wait_until
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
@@ -113,16 +113,6 @@ def pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
     return True
 
 
@@ -263,9 +253,7 @@ class CacheHarness:
 
     def wait(self, timeout_s: float = 30.0) -> None:
         """Wait until no update is in flight (every buffer is back)."""
-        assert wait_until(lambda: self.cache.pool.num_in_flight == 0, timeout_s), (
-            "updates did not finish"
-        )
+        wait_for_writes(self.cache, timeout_s)
 
     def pid(self, role: str) -> int:
         """The pid of the ``read`` or ``write`` backend."""
@@ -295,10 +283,7 @@ class CacheHarness:
 
     def close(self) -> None:
         # Let a backend that a test stopped (SIGSTOP) go before closing.
-        for pid in self.cache.backend_pids().values():
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        resume_processes(self.cache.backend_pids().values())
         self.cache.close()
 
 

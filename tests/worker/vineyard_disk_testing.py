@@ -11,13 +11,13 @@ import os
 import random
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from vineyard_testing import wait_for_writes
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
@@ -38,15 +38,6 @@ LOAD_BLOCK = 128
 
 def make_tokens(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1, 32000) for _ in range(n)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @dataclass
@@ -93,9 +84,7 @@ class Harness:
         self.cache.release(req.req_id)
 
     def wait(self, timeout_s: float = 30.0) -> None:
-        assert wait_until(lambda: self.cache.pool.num_in_flight == 0, timeout_s), (
-            "background writes did not finish"
-        )
+        wait_for_writes(self.cache, timeout_s)
 
     def load(self, tokens: Sequence[int]) -> int:
         """Load the whole chunks of ``tokens`` into blocks from

@@ -37,8 +37,8 @@ from vineyard_connector_testing import (
     only,
     random_tokens,
     run_step,
-    wait_until,
 )
+from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_lookup import VineyardCacheLookup

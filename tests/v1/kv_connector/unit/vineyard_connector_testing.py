@@ -12,17 +12,14 @@ as ``Scheduler._update_after_schedule`` and ``update_from_output`` would
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from vineyard_testing import resume_processes, wait_for_writes
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import (
     CachedRequestData,
@@ -121,9 +118,7 @@ class WorkerHarness:
         self.worker.wait_for_save(meta)
 
     def wait_for_writes(self, timeout_s: float = 30.0) -> None:
-        assert wait_until(lambda: self.cache.pool.num_in_flight == 0, timeout_s), (
-            "background writes did not finish"
-        )
+        wait_for_writes(self.cache, timeout_s)
 
     def pid(self, role: str) -> int:
         pid = self.cache.backend_pids()[role]
@@ -131,10 +126,7 @@ class WorkerHarness:
         return pid
 
     def close(self) -> None:
-        for pid in self.cache.backend_pids().values():
-            if pid is not None:  # a test may have stopped it
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        resume_processes(self.cache.backend_pids().values())  # a test may stop one
         self.worker.shutdown()
 
 
@@ -256,12 +248,3 @@ def admit(
 def only(meta: VineyardConnectorMetadata) -> RequestDelta:
     assert len(meta.requests) == 1, meta.requests
     return meta.requests[0]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
