@@ -28,11 +28,11 @@ from vineyard_connector_testing import (
     make_layout,
     make_request,
     make_scheduler,
-    make_worker,
     num_blocks_for,
     only,
     random_tokens,
     run_step,
+    tp_workers,
 )
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -44,19 +44,6 @@ from vllm.worker.vineyard_lookup import VineyardCacheLookup
 from vllm.worker.vineyard_store import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> VineyardLLMCacheConfig:
-    return make_config(tmp_path_factory.mktemp("sched-root"))
-
-
-@pytest.fixture(scope="module")
-def worker(config: VineyardLLMCacheConfig) -> Iterator[WorkerHarness]:
-    """A TP-1 worker that writes the chunks the lookups find."""
-    harness = make_worker(config, make_layout())
-    yield harness
-    harness.close()
 
 
 @pytest.fixture
@@ -315,10 +302,8 @@ def rank_workers(
 ) -> Iterator[tuple[VineyardLLMCacheConfig, list[WorkerHarness]]]:
     """Two TP ranks' caches on one root (their own namespaces)."""
     config = make_config(tmp_path_factory.mktemp("tp-root"))
-    workers = [make_worker(config, make_layout(2, rank), seed=rank) for rank in (0, 1)]
-    yield config, workers
-    for w in workers:
-        w.close()
+    with tp_workers(config) as workers:
+        yield config, workers
 
 
 @pytest.mark.parametrize("saved", [(4, 2), (2, 4), (0, 3), (3, 3)])

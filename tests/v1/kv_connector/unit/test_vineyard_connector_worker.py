@@ -37,6 +37,7 @@ from vineyard_connector_testing import (
     only,
     random_tokens,
     run_step,
+    tp_workers,
 )
 from vineyard_testing import wait_until
 
@@ -51,18 +52,6 @@ from vllm.worker.vineyard_metrics import (
 from vllm.worker.vineyard_store import extend_digests, synthetic_ids
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> VineyardLLMCacheConfig:
-    return make_config(tmp_path_factory.mktemp("worker-root"))
-
-
-@pytest.fixture(scope="module")
-def worker(config: VineyardLLMCacheConfig) -> Iterator[WorkerHarness]:
-    harness = make_worker(config, make_layout())
-    yield harness
-    harness.close()
 
 
 def chunk_path(w: WorkerHarness, tokens: list[int], chunk: int) -> str:
@@ -250,10 +239,8 @@ def rank_workers(
     tmp_path: Path,
 ) -> Iterator[tuple[VineyardLLMCacheConfig, list[WorkerHarness]]]:
     config = make_config(tmp_path / "root")
-    workers = [make_worker(config, make_layout(2, rank), seed=rank) for rank in (0, 1)]
-    yield config, workers
-    for w in workers:
-        w.close()
+    with tp_workers(config) as workers:
+        yield config, workers
 
 
 def test_one_rank_write_failure_is_retried(

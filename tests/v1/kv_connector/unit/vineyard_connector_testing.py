@@ -12,8 +12,9 @@ as ``Scheduler._update_after_schedule`` and ``update_from_output`` would
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,23 @@ def make_worker(
         NUM_BLOCKS,
     )
     return WorkerHarness(worker, kv, layout)
+
+
+@contextlib.contextmanager
+def tp_workers(
+    config: VineyardLLMCacheConfig, tp_size: int = 2
+) -> Iterator[list[WorkerHarness]]:
+    """One worker per TP rank on ``config``'s root (each rank in its own
+    namespace, over its own random KV); all closed on exit."""
+    workers = [
+        make_worker(config, make_layout(tp_size, rank), seed=rank)
+        for rank in range(tp_size)
+    ]
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            w.close()
 
 
 def make_scheduler(
