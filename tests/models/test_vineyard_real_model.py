@@ -72,6 +72,10 @@ def _engine_main(spec: dict[str, Any], result_path: str) -> None:
         disable_log_stats=False,  # for LLM.get_metrics()
         seed=0,
     )
+    if spec["go_file"]:  # started early: ready, but asks only when told to
+        deadline = time.monotonic() + 300
+        while not os.path.exists(spec["go_file"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def counters() -> dict[str, int]:
         out: dict[str, int] = {}
@@ -132,6 +136,7 @@ class Engine:
         tmp_path: Path,
         cache_root: Path | None,
         cpu: int = 0,
+        go_file: Path | None = None,
     ):
         self.name = name
         self.result_path = tmp_path / f"{name}.json"
@@ -152,7 +157,8 @@ class Engine:
         )
         if cache_root is not None:
             env.update(VLLM_USE_VINEYARD_CACHE="1", VINEYARD_CACHE_ROOT=str(cache_root))
-        spec = json.dumps({"model": model, "questions": questions})
+        go = str(go_file) if go_file else None
+        spec = json.dumps({"model": model, "questions": questions, "go_file": go})
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, spec, str(self.result_path)],
@@ -162,12 +168,16 @@ class Engine:
                 stderr=subprocess.STDOUT,
             )
 
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def result(self) -> dict[str, Any]:
         try:
             returncode = self.proc.wait(timeout=240)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             returncode = -9
         log = self.log_path.read_text()
         assert returncode == 0, f"{self.name} failed:\n{log[-6000:]}"
@@ -184,34 +194,41 @@ def _second_cpu() -> int:
 @pytest.mark.engine
 @pytest.mark.timeout(420)
 def test_second_engine_loads_shared_document(real_model: str, tmp_path: Path) -> None:
-    root = tmp_path / "cache"
-    # Engine 1 (cache on) and the reference (cache off) run side by side.
+    root, go = tmp_path / "cache", tmp_path / "go"
+    # Three fresh processes start side by side (starting is most of the
+    # time). Engine 1 (cache on) and the reference (cache off) answer at once;
+    # engine 2 (same cache root) asks a new question first, once engine 1
+    # has exited and so has written what it computed.
+    other = _second_cpu()
     first = Engine("engine-1", real_model, QUESTIONS[:1], tmp_path, root)
-    reference = Engine(
-        "no-cache", real_model, QUESTIONS, tmp_path, None, cpu=_second_cpu()
-    ).result()
-    saved = first.result()
-    # Engine 2, a fresh process on the same root: a new question first.
-    second = Engine("engine-2", real_model, QUESTIONS[::-1], tmp_path, root).result()
+    reference = Engine("no-cache", real_model, QUESTIONS, tmp_path, None, other)
+    second = Engine("engine-2", real_model, QUESTIONS[::-1], tmp_path, root, other, go)
+    try:
+        saved = first.result()
+        go.touch()
+        no_cache, loaded = reference.result(), second.result()
+    finally:
+        for engine in (first, reference, second):
+            engine.kill()
 
-    prompt_len = reference["prompt_lens"][0]
+    prompt_len = no_cache["prompt_lens"][0]
     cacheable = (prompt_len - 1) // CHUNK_SIZE * CHUNK_SIZE
     assert prompt_len >= 600 and cacheable >= 2 * CHUNK_SIZE
 
     # The same text with and without the cache, and real sentences.
-    assert saved["answers"] == reference["answers"][:1]
-    assert second["answers"] == reference["answers"][::-1]
-    assert all(len(answer.split()) >= 3 for answer in reference["answers"])
+    assert saved["answers"] == no_cache["answers"][:1]
+    assert loaded["answers"] == no_cache["answers"][::-1]
+    assert all(len(answer.split()) >= 3 for answer in no_cache["answers"])
 
     # Engine 1 saved the document's chunks; engine 2 loaded them for its
     # first request (its second one hits vLLM's own prefix cache).
     assert saved["counters"]["tokens_written"] >= cacheable
     assert saved["counters"]["updates_failed"] == 0
-    counters = second["counters"]
+    counters = loaded["counters"]
     assert counters["hit_tokens"] >= cacheable
     assert counters["loaded_tokens"] >= cacheable
     assert counters["load_errors"] == 0
-    assert second["num_cached_tokens"][0] >= cacheable
+    assert loaded["num_cached_tokens"][0] >= cacheable
 
 
 if __name__ == "__main__":
