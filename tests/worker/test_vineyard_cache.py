@@ -28,36 +28,12 @@ SRC_BLOCK = 0  # the request's own blocks start here
 DST_BLOCK = 40  # another request's blocks, loaded into
 
 
-def save_sequence(
-    h: CacheHarness, tokens: list[int], num_computed: int, req_id: str = "req"
-) -> list[int]:
-    """Save a request whose KV sits in blocks from SRC_BLOCK; returns them."""
-    blocks = h.blocks_for(SRC_BLOCK, len(tokens))
-    h.save_all([h.request(req_id, tokens, num_computed, blocks)])
-    h.cache.release(req_id)
-    return blocks
-
-
-def check_loaded(
-    h: CacheHarness,
-    before: torch.Tensor,
-    src: list[int],
-    dst: list[int],
-) -> None:
-    """``dst`` blocks now hold ``src``'s bytes in every layer; every other
-    block is as it was in ``before``."""
-    assert len(src) == len(dst)
-    assert same_bits(h.kv[:, dst], h.kv[:, src]), "loaded KV differs"
-    untouched = sorted(set(range(h.kv.shape[1])) - set(dst))
-    assert same_bits(h.kv[:, untouched], before[:, untouched]), "stray write"
-
-
 @pytest.mark.parametrize("cache", ["small_cache", "small_cache_bf16"])
 def test_round_trip_is_bit_identical(request: pytest.FixtureRequest, cache: str):
     h: CacheHarness = request.getfixturevalue(cache)
     tokens = make_tokens(SEQ_LEN)
     files_before = len(chunk_files(h.root))
-    src = save_sequence(h, tokens, SEQ_LEN)
+    src = h.save_tokens(tokens, SRC_BLOCK)
     counters = h.counters()
     assert counters["tokens_written"] == CACHED  # the partial chunk is not saved
     assert counters["tokens_rejected"] == counters["updates_failed"] == 0
@@ -71,7 +47,7 @@ def test_round_trip_is_bit_identical(request: pytest.FixtureRequest, cache: str)
     before = h.kv.clone()
     assert not same_bits(before[:, dst[:n]], before[:, src[:n]])  # can fail
     assert h.load(tokens, 0, CACHED, dst) == CACHED
-    check_loaded(h, before, src[:n], dst[:n])
+    h.check_loaded(before, src[:n], dst[:n])
     counters = h.counters()
     assert counters["loaded_tokens"] == CACHED
     assert counters["load_errors"] == 0
@@ -84,12 +60,12 @@ def test_load_from_a_block_boundary(small_cache_bf16: CacheHarness, start: int):
     (maybe shared with other requests)."""
     h = small_cache_bf16
     tokens = make_tokens(SEQ_LEN)
-    src = save_sequence(h, tokens, SEQ_LEN)
+    src = h.save_tokens(tokens, SRC_BLOCK)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     first, n = start // h.block_size, CACHED // h.block_size
     before = h.kv.clone()
     assert h.load(tokens, start, CACHED, dst) == CACHED
-    check_loaded(h, before, src[first:n], dst[first:n])
+    h.check_loaded(before, src[first:n], dst[first:n])
     counters = h.counters()
     assert counters["loaded_tokens"] == CACHED - start
     assert counters["load_errors"] == 0
@@ -104,7 +80,7 @@ def test_lookup_stops_where_the_prefix_diverges(
 ):
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
-    src = save_sequence(h, tokens, SEQ_LEN)
+    src = h.save_tokens(tokens, SRC_BLOCK)
     other = list(tokens)
     other[diverge_at] = (other[diverge_at] + 1) % 32000
     common = diverge_at // CHUNK_SIZE * CHUNK_SIZE  # whole common chunks
@@ -115,7 +91,7 @@ def test_lookup_stops_where_the_prefix_diverges(
     before = h.kv.clone()
     n = common // h.block_size
     assert h.load(other, 0, common, dst) == common
-    check_loaded(h, before, src[:n], dst[:n])
+    h.check_loaded(before, src[:n], dst[:n])
     assert h.counters()["load_errors"] == 0
 
 
@@ -135,7 +111,7 @@ def test_lookup_returns_only_tokens_beyond_the_local_hit(
 ):
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
-    save_sequence(h, tokens, SEQ_LEN)
+    h.save_tokens(tokens, SRC_BLOCK)
     assert h.lookup(tokens, num_local) == expected
     counters = h.counters()
     assert counters["hit_tokens"] == expected[0]
@@ -149,7 +125,7 @@ def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_its_end(
     local hit reaches further: the chunks vineyard lacks are saved."""
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
-    save_sequence(h, tokens, 2 * CHUNK_SIZE)  # two chunks only
+    h.save_tokens(tokens, SRC_BLOCK, num_computed=2 * CHUNK_SIZE)  # two chunks only
     assert h.lookup(tokens, 2 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
     assert h.lookup(tokens, 3 * CHUNK_SIZE) == (0, 2 * CHUNK_SIZE)
     assert h.lookup(tokens, 0) == (2 * CHUNK_SIZE, 2 * CHUNK_SIZE)
@@ -158,7 +134,7 @@ def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_its_end(
 def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
     h = small_cache
     tokens = make_tokens(CACHED)  # exactly whole chunks
-    save_sequence(h, tokens, CACHED)
+    h.save_tokens(tokens, SRC_BLOCK, num_computed=CACHED)
     assert h.counters()["tokens_written"] == CACHED
     assert h.lookup(tokens, 0) == (CACHED - CHUNK_SIZE, CACHED - CHUNK_SIZE)
     assert h.lookup(tokens + [7], 0) == (CACHED, CACHED)
@@ -178,7 +154,7 @@ def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):
     before = h.kv.clone()
     n = total // h.block_size
     assert h.load(tokens, 0, total, dst) == total
-    check_loaded(h, before, src[:n], dst[:n])
+    h.check_loaded(before, src[:n], dst[:n])
 
 
 @pytest.mark.parametrize("saved_chunks", [0, 2, 4])
@@ -188,13 +164,13 @@ def test_short_load_returns_the_shorter_end_and_counts_an_error(
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
     saved = saved_chunks * CHUNK_SIZE
-    src = save_sequence(h, tokens, saved)
+    src = h.save_tokens(tokens, SRC_BLOCK, num_computed=saved)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     before = h.kv.clone()
     # Promised (e.g. by a lookup that raced an eviction): all five chunks.
     assert h.load(tokens, 0, CACHED, dst) == saved
     n = saved // h.block_size
-    check_loaded(h, before, src[:n], dst[:n])
+    h.check_loaded(before, src[:n], dst[:n])
     counters = h.counters()
     assert counters["load_errors"] == 1
     assert counters["loaded_tokens"] == saved
@@ -220,13 +196,13 @@ def test_namespaces_do_not_see_each_other(
     assert first.root != other.root
 
     tokens = make_tokens(SEQ_LEN)
-    src = save_sequence(first, tokens, SEQ_LEN)
+    src = first.save_tokens(tokens, SRC_BLOCK)
     assert other.lookup(tokens, 0) == (0, 0)
 
     assert other.load(tokens, 0, CACHED, other.blocks_for(0, SEQ_LEN)) == 0
 
     # The other namespace writes the same tokens; each reads its own bytes.
-    save_sequence(other, tokens, SEQ_LEN)
+    other.save_tokens(tokens, SRC_BLOCK)
     other_cached = SEQ_LEN // other.chunk_size * other.chunk_size
     assert other.counters()["tokens_written"] == other_cached
     assert other.lookup(tokens, 0) == (other_cached, other_cached)
@@ -234,7 +210,7 @@ def test_namespaces_do_not_see_each_other(
     dst = first.blocks_for(DST_BLOCK, SEQ_LEN)
     before = first.kv.clone()
     assert first.load(tokens, 0, CACHED, dst) == CACHED
-    check_loaded(first, before, src[:n], dst[:n])
+    first.check_loaded(before, src[:n], dst[:n])
     assert first.counters()["tokens_rejected"] == 0
 
 
@@ -246,7 +222,7 @@ def test_same_layout_on_the_same_root_shares_chunks(
     twin = make_cache(root=Path(small_cache.config.root), seed=5)
     assert twin.root == small_cache.root
     tokens = make_tokens(SEQ_LEN)
-    src = save_sequence(small_cache, tokens, SEQ_LEN)
+    src = small_cache.save_tokens(tokens, SRC_BLOCK)
     assert twin.lookup(tokens, 0) == (CACHED, CACHED)
     dst = twin.blocks_for(DST_BLOCK, SEQ_LEN)
     assert twin.load(tokens, 0, CACHED, dst) == CACHED

@@ -44,31 +44,6 @@ BAD = 2  # the chunk that is corrupted
 SRC, DONOR_SRC, DST = 0, 20, 40  # first blocks of the requests
 
 
-def save(h: CacheHarness, tokens: list[int], first_block: int, req: str) -> list[int]:
-    """Save ``tokens`` (KV in blocks from ``first_block``) to the end of
-    their last whole chunk; returns the blocks."""
-    blocks = h.blocks_for(first_block, len(tokens))
-    h.save_all([h.request(req, tokens, len(tokens), blocks)])
-    h.cache.release(req)
-    return blocks
-
-
-def check_loaded(
-    h: CacheHarness,
-    before: torch.Tensor,
-    src: list[int],
-    dst: list[int],
-    num_blocks: int,
-) -> None:
-    """The first ``num_blocks`` of ``dst`` hold ``src``'s bytes in every
-    layer; every other block is as it was in ``before``."""
-    assert same_bits(h.kv[:, dst[:num_blocks]], h.kv[:, src[:num_blocks]]), (
-        "loaded KV differs"
-    )
-    untouched = sorted(set(range(h.kv.shape[1])) - set(dst[:num_blocks]))
-    assert same_bits(h.kv[:, untouched], before[:, untouched]), "stray write"
-
-
 # --------------------------------------------------------------------------
 # Round trips
 # --------------------------------------------------------------------------
@@ -109,7 +84,7 @@ def test_round_trip_is_bit_exact(
     assert h.layout.blocks_per_chunk == chunk_size // block_size
     cached = 3 * chunk_size
     tokens = make_tokens(length)
-    src = save(h, tokens, 0, "req")
+    src = h.save_tokens(tokens, 0)
     counters = h.counters()
     assert counters["tokens_written"] == cached
     assert counters["bytes_written"] == cached // block_size * h.layout.entry_bytes
@@ -121,7 +96,7 @@ def test_round_trip_is_bit_exact(
     before = h.kv.clone()
     assert not same_bits(before[:, dst[:n]], before[:, src[:n]])  # can fail
     assert h.load(tokens, 0, cached, dst) == cached
-    check_loaded(h, before, src, dst, n)
+    h.check_loaded(before, src, dst, n)
     counters = h.counters()
     assert counters["loaded_tokens"] == cached
     assert counters["load_errors"] == counters["corrupt_chunks"] == 0
@@ -170,8 +145,8 @@ def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind
     again so that a load hits fully."""
     h = small_cache
     victim, donor = make_tokens(SEQ_LEN), make_tokens(SEQ_LEN)
-    src = save(h, victim, SRC, "victim")
-    save(h, donor, DONOR_SRC, "donor")
+    src = h.save_tokens(victim, SRC, "victim")
+    h.save_tokens(donor, DONOR_SRC, "donor")
     path = _corrupt(kind, h, victim, donor)
     h.reset_counters()
 
@@ -179,7 +154,7 @@ def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind
     good = BAD * CHUNK_SIZE
     before = h.kv.clone()
     assert h.load(victim, 0, CACHED, dst) == good
-    check_loaded(h, before, src, dst, good // h.block_size)
+    h.check_loaded(before, src, dst, good // h.block_size)
     counters = h.counters()
     assert counters["corrupt_chunks"] == 1
     assert counters["load_errors"] == 1
@@ -192,12 +167,12 @@ def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind
     assert h.lookup(victim) == (good, good)  # lookups see it gone
 
     # Written again by a later save of the same prompt, then a full hit.
-    save(h, victim, SRC, "victim-again")
+    h.save_tokens(victim, SRC, "victim-again")
     assert os.path.exists(path)
     assert h.lookup(victim) == (CACHED, CACHED)
     before = h.kv.clone()
     assert h.load(victim, 0, CACHED, dst) == CACHED
-    check_loaded(h, before, src, dst, CACHED // h.block_size)
+    h.check_loaded(before, src, dst, CACHED // h.block_size)
     assert h.counters()["corrupt_chunks"] == 1  # no new one
 
 
@@ -231,8 +206,8 @@ def test_lookups_read_no_kv(make_cache: CacheFactory, opened_paths: list[str]):
     config = ranks[0].config
     lookups = VineyardCacheLookup(config, [r.layout for r in ranks])
     tokens, missing = make_tokens(SEQ_LEN), make_tokens(SEQ_LEN)
-    save(ranks[0], tokens[: 4 * CHUNK_SIZE + 1], SRC, "req")
-    save(ranks[1], tokens[: 2 * CHUNK_SIZE + 1], SRC, "req")
+    ranks[0].save_tokens(tokens[: 4 * CHUNK_SIZE + 1], SRC)
+    ranks[1].save_tokens(tokens[: 2 * CHUNK_SIZE + 1], SRC)
     for r in ranks:
         r.reader_stats()
         r.reset_counters()
@@ -307,7 +282,7 @@ def test_keyed_caches_load_only_chunks_sealed_with_their_key(
 
     # The same key: one namespace, shared hits, bit for bit.
     tokens = make_tokens(SEQ_LEN)
-    src = save(k1, tokens, SRC, "req")
+    src = k1.save_tokens(tokens, SRC)
     assert k1_twin.lookup(tokens) == (CACHED, CACHED)
     dst = k1_twin.blocks_for(DST, SEQ_LEN)
     assert k1_twin.load(tokens, 0, CACHED, dst) == CACHED
@@ -315,17 +290,17 @@ def test_keyed_caches_load_only_chunks_sealed_with_their_key(
     assert same_bits(k1_twin.kv[:, dst[:n]], k1.kv[:, src[:n]])
 
     # Different keys on one root: each writes and hits its own bytes.
-    src2 = save(k2, tokens, SRC, "req")
+    src2 = k2.save_tokens(tokens, SRC)
     for h, s in ((k1, src), (k2, src2)):
         before = h.kv.clone()
         assert h.load(tokens, 0, CACHED, h.blocks_for(DST, SEQ_LEN)) == CACHED
-        check_loaded(h, before, s, h.blocks_for(DST, SEQ_LEN), n)
+        h.check_loaded(before, s, h.blocks_for(DST, SEQ_LEN), n)
         assert h.counters()["corrupt_chunks"] == 0
 
     # Forged: another key's chunks, and unkeyed ones, planted under k1.
     for writer in (k2, plain):
         other = make_tokens(SEQ_LEN)
-        save(writer, other, SRC, "planted")
+        writer.save_tokens(other, SRC, "planted")
         assert _plant(writer, k1) >= SEQ_CHUNKS
         assert k1.lookup(other) == (CACHED, CACHED)  # the files are there
         k1.reset_counters()
@@ -356,7 +331,7 @@ def _modes(root: str) -> tuple[set[int], set[int]]:
 
 
 def test_files_are_owner_only_by_default(small_cache: CacheHarness):
-    save(small_cache, make_tokens(SEQ_LEN), SRC, "req")
+    small_cache.save_tokens(make_tokens(SEQ_LEN), SRC)
     files, dirs = _modes(small_cache.root)
     assert files == {0o600}
     assert dirs == {0o700}
@@ -364,7 +339,7 @@ def test_files_are_owner_only_by_default(small_cache: CacheHarness):
 
 def test_group_access_makes_files_group_readable(make_cache: CacheFactory):
     h = make_cache(group_access=True)
-    save(h, make_tokens(SEQ_LEN), SRC, "req")
+    h.save_tokens(make_tokens(SEQ_LEN), SRC)
     files, dirs = _modes(h.root)
     # What umask 007 gives: the owner's bits for the group, none for others.
     assert files and all(m & 0o060 == 0o060 and m & 0o007 == 0 for m in files)
@@ -386,7 +361,7 @@ def test_v1_namespace_on_the_same_root_is_never_read(small_cache: CacheHarness):
     assert f"-c{CHUNK_SIZE}-" in name
     v1_dir = os.path.join(h.config.root, "test-model-0123456789abcdef-tp1r0")
     tokens = make_tokens(SEQ_LEN)
-    save(h, tokens, SRC, "req")
+    h.save_tokens(tokens, SRC)
     for path in chunk_files(h.root):
         dest = os.path.join(v1_dir, os.path.relpath(path, h.root))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -409,13 +384,13 @@ def test_chunk_sizes_on_one_root_never_load_each_others_chunks(
     h64 = make_cache(root=Path(h32.config.root), chunk_size=2 * CHUNK_SIZE, seed=7)
     assert h64.root != h32.root and f"-c{2 * CHUNK_SIZE}-" in h64.root
     tokens = make_tokens(SEQ_LEN)
-    save(h64, tokens, SRC, "req")
+    h64.save_tokens(tokens, SRC)
     assert h32.lookup(tokens) == (0, 0)
     before = h32.kv.clone()
     assert h32.load(tokens, 0, CACHED, h32.blocks_for(DST, SEQ_LEN)) == 0
     assert same_bits(h32.kv, before)
     # Each keeps its own.
-    src = save(h32, tokens, SRC, "req")
+    src = h32.save_tokens(tokens, SRC)
     assert h32.load(tokens, 0, CACHED, h32.blocks_for(DST, SEQ_LEN)) == CACHED
     n = CACHED // h32.block_size
     assert same_bits(h32.kv[:, h32.blocks_for(DST, SEQ_LEN)[:n]], h32.kv[:, src[:n]])
@@ -447,7 +422,7 @@ def test_salted_requests_share_kv_only_with_the_same_salt(
     tokens = make_tokens(SEQ_LEN)
     try:
         h.salt = "tenant-a"
-        src = save(h, tokens, SRC, "req")
+        src = h.save_tokens(tokens, SRC)
         assert h.lookup(tokens) == (CACHED, CACHED)
         h.salt = "tenant-b"
         assert h.lookup(tokens) == (0, 0)
@@ -467,7 +442,7 @@ def test_trailer_size_is_part_of_every_entry(small_cache: CacheHarness):
     header and ``blocks_per_chunk`` entries of payload plus trailer."""
     h = small_cache
     tokens = make_tokens(SEQ_LEN)
-    save(h, tokens, SRC, "req")
+    h.save_tokens(tokens, SRC)
     layout = h.layout
     assert layout.entry_bytes == layout.num_layers * layout.block_bytes + TRAILER_BYTES
     for c in range(SEQ_CHUNKS):

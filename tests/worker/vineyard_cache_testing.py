@@ -232,6 +232,42 @@ class CacheHarness:
             req_id, self.digests(tokens), num_computed, list(blocks), save_from
         )
 
+    def save_tokens(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        req_id: str = "req",
+        num_computed: int | None = None,
+    ) -> list[int]:
+        """Save a request whose KV sits in blocks from ``first_block`` (all of
+        ``tokens`` computed unless ``num_computed`` says otherwise), to the
+        end of its last whole chunk, and release it; returns the blocks."""
+        blocks = self.blocks_for(first_block, len(tokens))
+        if num_computed is None:
+            num_computed = len(tokens)
+        self.save_all([self.request(req_id, tokens, num_computed, blocks)])
+        self.cache.release(req_id)
+        return blocks
+
+    def check_loaded(
+        self,
+        before: torch.Tensor,
+        src: Sequence[int],
+        dst: Sequence[int],
+        num_blocks: int | None = None,
+    ) -> None:
+        """The ``dst`` blocks (the first ``num_blocks`` of them, if given)
+        now hold the bytes of as many ``src`` blocks in every layer; every
+        other block is as it was in ``before``."""
+        if num_blocks is not None:
+            src, dst = src[:num_blocks], dst[:num_blocks]
+        assert len(src) == len(dst)
+        assert same_bits(self.kv[:, list(dst)], self.kv[:, list(src)]), (
+            "loaded KV differs"
+        )
+        untouched = sorted(set(range(self.kv.shape[1])) - set(dst))
+        assert same_bits(self.kv[:, untouched], before[:, untouched]), "stray write"
+
     def lookup(self, tokens: Sequence[int], num_local: int = 0) -> tuple[int, int]:
         """The scheduler's lookup: ``(num_hit_tokens, save_from)``."""
         return self.lookups.lookup(self.digests(tokens), num_local, len(tokens))
