@@ -296,6 +296,17 @@ def test_cache_rejects_a_chunk_size_that_splits_blocks(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def budget(util: float, limit_gb: float, low: int, high: int) -> VineyardLLMCacheConfig:
+    """The defaults with the staging budget and the buffer bounds given."""
+    return dataclasses.replace(
+        DEFAULTS,
+        async_update_cpu_mem_util=util,
+        cpu_mem_limit_gb=limit_gb,
+        min_inflight_tasks=low,
+        max_inflight_tasks=high,
+    )
+
+
 @pytest.mark.parametrize(
     ("util", "limit_gb", "low", "high", "buffer_bytes", "expected"),
     [
@@ -309,13 +320,7 @@ def test_cache_rejects_a_chunk_size_that_splits_blocks(tmp_path: Path) -> None:
 def test_num_update_buffers(
     util: float, limit_gb: float, low: int, high: int, buffer_bytes: int, expected: int
 ) -> None:
-    config = dataclasses.replace(
-        DEFAULTS,
-        async_update_cpu_mem_util=util,
-        cpu_mem_limit_gb=limit_gb,
-        min_inflight_tasks=low,
-        max_inflight_tasks=high,
-    )
+    config = budget(util, limit_gb, low, high)
     assert config.num_update_buffers(buffer_bytes) == expected
 
 
@@ -330,13 +335,7 @@ def test_num_update_buffers(
 def test_budget_too_small_for_min_buffers(
     util: float, limit_gb: float, low: int, buffer_bytes: int
 ) -> None:
-    config = dataclasses.replace(
-        DEFAULTS,
-        async_update_cpu_mem_util=util,
-        cpu_mem_limit_gb=limit_gb,
-        min_inflight_tasks=low,
-        max_inflight_tasks=max(low, 4),
-    )
+    config = budget(util, limit_gb, low, max(low, 4))
     with pytest.raises(ValueError) as excinfo:
         config.num_update_buffers(buffer_bytes)
     message = str(excinfo.value)
