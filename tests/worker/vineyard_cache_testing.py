@@ -34,6 +34,7 @@ from vllm.worker.vineyard_store import (
     load_auth_key,
     synthetic_ids,
 )
+from vllm.worker.vineyard_sweeper import TEMP_DIR
 
 # A small model: fast to write, several chunks per sequence.
 NUM_LAYERS = 2
@@ -95,6 +96,18 @@ def make_layout(
     )
 
 
+def make_config(root: str | os.PathLike[str], **fields: Any) -> VineyardLLMCacheConfig:
+    """The settings of a test cache at ``root``: small chunks, a small
+    staging budget and short timeouts; ``fields`` override any field."""
+    base: dict[str, Any] = {
+        "chunk_size": CHUNK_SIZE,
+        "cpu_mem_limit_gb": 1.0,
+        "backend_timeout_s": 10.0,
+        "drain_timeout_s": 5.0,
+    }
+    return replace(VineyardLLMCacheConfig(), root=str(root), **{**base, **fields})
+
+
 _seeds = itertools.count(1000)
 
 
@@ -154,11 +167,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def chunk_files(root: str) -> list[str]:
-    """The chunk files vineyard published under ``root`` (one per chunk)."""
+def chunk_files(root: str | os.PathLike[str]) -> list[str]:
+    """The chunk files vineyard published under ``root`` (one per chunk):
+    every file outside vineyard's temp folders."""
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != "__temp"]
+        dirnames[:] = [d for d in dirnames if d != TEMP_DIR]
         found.extend(os.path.join(dirpath, f) for f in filenames)
     return found
 
@@ -349,15 +363,7 @@ def build_cache(
     kv = random_kv(
         num_layers, num_blocks, num_kv_heads, block_size, head_size, dtype, seed
     )
-    fields: dict[str, Any] = {
-        "root": str(root),
-        "chunk_size": CHUNK_SIZE,
-        "cpu_mem_limit_gb": 1.0,
-        "backend_timeout_s": 10.0,
-        "drain_timeout_s": 5.0,
-    }
-    fields.update(config_fields)
-    config = replace(VineyardLLMCacheConfig(), **fields)
+    config = make_config(root, **config_fields)
     layout = make_layout(
         kv,
         chunk_size=config.chunk_size,

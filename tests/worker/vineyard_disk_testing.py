@@ -12,26 +12,29 @@ import random
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from vineyard_cache_testing import (
+    BLOCK_SIZE,
+    CHUNK_SIZE,
+    HEAD_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    chunk_files,
+    make_config,
+    make_layout,
+)
 from vineyard_testing import wait_for_writes
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout
 from vllm.worker.vineyard_store import ChunkFiles, extend_digests, synthetic_ids
-from vllm.worker.vineyard_sweeper import TEMP_DIR
 
-NUM_LAYERS = 2
-NUM_KV_HEADS = 2
-HEAD_SIZE = 16
-BLOCK_SIZE = 16
-CHUNK_SIZE = 32  # two blocks
+# The small model of the cache tests (chunks of two blocks), more blocks.
 NUM_BLOCKS = 256
-MAX_NUM_BATCHED_TOKENS = 128
 #: Where loads go: above every block a prefix is written from.
 LOAD_BLOCK = 128
 
@@ -120,27 +123,16 @@ def open_cache(root: Path, seed: int = 0, **config_fields: Any) -> Harness:
     shape = (NUM_LAYERS, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(shape, generator=gen, dtype=torch.float32)
-    fields: dict[str, Any] = {
-        "root": str(root),
-        "chunk_size": CHUNK_SIZE,
-        "cpu_mem_limit_gb": 0.25,
-        "backend_timeout_s": 20.0,
-        "drain_timeout_s": 5.0,
-        "max_inflight_tasks": 1,
-    }
-    fields.update(config_fields)
-    config = replace(VineyardLLMCacheConfig(), **fields)
-    layout = KVCacheLayout(
-        model="lifecycle-test",
-        dtype="float32",
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_size=HEAD_SIZE,
-        block_size=BLOCK_SIZE,
-        block_bytes=kv[0, 0].numel() * kv.element_size(),
-        kv_layout="CPU_ATTN",
-        chunk_size=CHUNK_SIZE,
+    config = make_config(
+        root,
+        **{
+            "cpu_mem_limit_gb": 0.25,
+            "backend_timeout_s": 20.0,
+            "max_inflight_tasks": 1,
+            **config_fields,
+        },
     )
+    layout = make_layout(kv, chunk_size=CHUNK_SIZE, model="lifecycle-test")
     cache = VineyardLLMCache(
         config,
         layout,
@@ -154,15 +146,6 @@ def open_cache(root: Path, seed: int = 0, **config_fields: Any) -> Harness:
 def chunk_file_bytes(files: ChunkFiles, num_chunks: int) -> int:
     """The size of a complete chunk file that ends at chunk ``num_chunks``."""
     return files.file_bytes(num_chunks * files.blocks_per_chunk)
-
-
-def chunk_files(root: str | os.PathLike[str]) -> list[str]:
-    """Every file under ``root`` outside vineyard's temp folders."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != TEMP_DIR]
-        found.extend(os.path.join(dirpath, f) for f in filenames)
-    return found
 
 
 def partial_chunk_files(files: ChunkFiles) -> list[str]:
