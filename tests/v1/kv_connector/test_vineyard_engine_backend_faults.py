@@ -167,23 +167,19 @@ def test_corrupt_chunks_are_recomputed_and_written_again(
     root = module_dir / "corrupt" / "cache"
     env = engine_env(root)
     prompts = standard_prompts()
-    first = run_engine(
-        toy_model,
-        [{"prompts": prompts}],
-        env,
-        module_dir / "corrupt" / "writer",
-        llm_kwargs=LLM_KWARGS,
-    )
+
+    def engine(name: str, num_rounds: int = 1) -> EngineRun:
+        """An engine on ``root`` generating ``prompts`` in each round."""
+        rounds = [{"prompts": prompts} for _ in range(num_rounds)]
+        return run_engine(
+            toy_model, rounds, env, module_dir / "corrupt" / name, llm_kwargs=LLM_KWARGS
+        )
+
+    first = engine("writer")
     assert first.last.settled and first.last.counter("tokens_written") > 0
     assert _flip_a_byte_in_every_chunk(root) > 0
 
-    second = run_engine(
-        toy_model,
-        [{"prompts": prompts}],
-        env,
-        module_dir / "corrupt" / "reader",
-        llm_kwargs=LLM_KWARGS,
-    )
+    second = engine("reader")
     assert second.last.outputs == no_cache
     assert second.last.counter("hit_tokens") > 0  # promised by the lookup
     assert second.last.counter("corrupt_chunks") > 0
@@ -192,13 +188,7 @@ def test_corrupt_chunks_are_recomputed_and_written_again(
     # (vLLM still reports the promised tokens as external prefix-cache hits
     # and num_cached_tokens: it counts at scheduling time.)
 
-    third = run_engine(
-        toy_model,
-        [{"prompts": prompts}, {"prompts": prompts}],
-        env,
-        module_dir / "corrupt" / "healed",
-        llm_kwargs=LLM_KWARGS,
-    )
+    third = engine("healed", num_rounds=2)
     assert third.rounds[0].settled
     assert third.delta(0, "tokens_written") > 0  # the removed chunks again
     assert third.delta(1, "loaded_tokens") > 0
