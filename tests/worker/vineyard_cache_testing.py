@@ -337,6 +337,24 @@ class CacheHarness:
         self.cache.close()
 
 
+def open_llm_cache(
+    config: VineyardLLMCacheConfig,
+    layout: KVCacheLayout,
+    kv: torch.Tensor,
+    max_num_batched_tokens: int,
+) -> VineyardLLMCache:
+    """A worker-side cache (backend processes and all) over ``kv``, every
+    layer in one allocation as vLLM's CPU worker has it: ``[num_layers,
+    num_blocks, heads, block_size, 2 * head_size]``."""
+    return VineyardLLMCache(
+        config,
+        layout,
+        max_num_batched_tokens,
+        kv_caches=[kv[i] for i in range(kv.shape[0])],
+        num_blocks=kv.shape[1],
+    )
+
+
 def build_cache(
     root: Path,
     *,
@@ -373,13 +391,7 @@ def build_cache(
         tp_size=tp_size,
         tp_rank=tp_rank,
     )
-    cache = VineyardLLMCache(
-        config,
-        layout,
-        max_num_batched_tokens,
-        kv_caches=[kv[i] for i in range(num_layers)],
-        num_blocks=num_blocks,
-    )
+    cache = open_llm_cache(config, layout, kv, max_num_batched_tokens)
     return CacheHarness(
         cache, VineyardCacheLookup(config, [layout]), kv, layout, config, salt
     )

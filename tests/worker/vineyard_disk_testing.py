@@ -27,6 +27,7 @@ from vineyard_cache_testing import (
     chunk_files,
     make_config,
     make_layout,
+    open_llm_cache,
 )
 from vineyard_testing import wait_for_writes
 
@@ -133,13 +134,7 @@ def open_cache(root: Path, seed: int = 0, **config_fields: Any) -> Harness:
         },
     )
     layout = make_layout(kv, chunk_size=CHUNK_SIZE, model="lifecycle-test")
-    cache = VineyardLLMCache(
-        config,
-        layout,
-        MAX_NUM_BATCHED_TOKENS,
-        kv_caches=[kv[i] for i in range(NUM_LAYERS)],
-        num_blocks=NUM_BLOCKS,
-    )
+    cache = open_llm_cache(config, layout, kv, MAX_NUM_BATCHED_TOKENS)
     return Harness(cache, kv)
 
 
