@@ -13,6 +13,7 @@ everything it computed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,8 +78,13 @@ class Server:
         cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # A session of its own: stop() can end the engine processes too.
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait_ready(self, deadline: float) -> None:
@@ -130,11 +136,13 @@ class Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # drains the cache's writes
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        # Whatever is left of this server (an engine process orphaned by a
+        # failed startup, a cache backend).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
         self._log.close()
 
 

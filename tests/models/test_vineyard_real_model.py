@@ -14,8 +14,10 @@ must be in the environment before vLLM is imported).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -166,12 +168,13 @@ class Engine:
                 cwd=tmp_path,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # kill() ends its cache backends too
             )
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def result(self) -> dict[str, Any]:
         try:
