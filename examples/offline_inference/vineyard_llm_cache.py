@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Two vLLM instances share one vineyard cache: several users ask questions
-about the same long document (a library's handbook, ~1,900 tokens).
+about the same long document (a fictional library's handbook, ~1,900 tokens,
+vineyard_shared_document.md beside this script).
 
 - Instance 1, a fresh engine process with the cache on, answers the first
   users' questions. It computes the document's KV and saves it in the cache.
