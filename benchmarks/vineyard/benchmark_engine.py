@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     toy = toy_model_module()
     start = time.perf_counter()
     results = []
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for model in plan.models:
             print(f"{model}:", flush=True)
