@@ -368,7 +368,10 @@ class BackendProcess:
         max_restarts: int = 3,
         startup_timeout_s: float = 60.0,
         nice: int = 0,
+        wait: bool = True,
     ):
+        """Starts the process; with ``wait=False`` returns at once and
+        :meth:`wait_ready` waits (so several backends start in parallel)."""
         self.name = name
         self._spec = spec
         self._shm_fd = shm_fd
@@ -380,17 +383,32 @@ class BackendProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._in_flight: str | None = None  # the op sent and not yet received
+        # Spawned, not yet ready (see ``wait``).
+        self._starting: tuple[subprocess.Popen[bytes], Connection] | None = None
         self.restarts = 0
         self.disabled_reason: str | None = None
         self._closed = False
         with self._lock:
-            self._start_locked()
+            self._spawn_locked()
+            if wait:
+                self._await_ready_locked()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     def _start_locked(self) -> None:
+        self._spawn_locked()
+        self._await_ready_locked()
+
+    def wait_ready(self) -> None:
+        """Wait for a backend started with ``wait=False`` to be ready;
+        raises :class:`BackendError` if it cannot start."""
+        with self._lock:
+            if self._starting is not None:
+                self._await_ready_locked()
+
+    def _spawn_locked(self) -> None:
         parent_sock, child_sock = socket.socketpair()
         parent_cpus = ""
         if hasattr(os, "sched_getaffinity"):
@@ -425,7 +443,12 @@ class BackendProcess:
             )
         finally:
             child_sock.close()
-        conn = Connection(parent_sock.detach())
+        self._starting = (proc, Connection(parent_sock.detach()))
+
+    def _await_ready_locked(self) -> None:
+        assert self._starting is not None
+        proc, conn = self._starting
+        self._starting = None
         try:
             if not conn.poll(self._startup_timeout_s):
                 raise BackendError(
@@ -459,6 +482,11 @@ class BackendProcess:
 
     def _stop_locked(self) -> None:
         self._in_flight = None
+        if self._starting is not None:
+            proc, conn = self._starting
+            self._starting = None
+            conn.close()
+            self._reap(proc)
         if self._conn is not None:
             self._conn.close()
             self._conn = None

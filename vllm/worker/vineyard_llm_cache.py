@@ -423,8 +423,13 @@ class VineyardLLMCache:
         self._writer: BackendProcess | None = None
         self._updater: _AsyncUpdater | None = None
         try:
+            # Both start at once: each takes a second or so to import vineyard.
             self._reader = BackendProcess(
-                "read", spec(2, False), self._read_memory.fd, config.backend_timeout_s
+                "read",
+                spec(2, False),
+                self._read_memory.fd,
+                config.backend_timeout_s,
+                wait=False,
             )
             self._writer = BackendProcess(
                 "write",
@@ -434,7 +439,10 @@ class VineyardLLMCache:
                 # Writes are background work: when the backend shares a core
                 # with the forward pass (an unpinned engine), the pass wins.
                 nice=10,
+                wait=False,
             )
+            self._reader.wait_ready()
+            self._writer.wait_ready()
         except BackendError:
             self.close()
             raise
