@@ -95,14 +95,15 @@ def full_disk(
     module_dir: Path,
 ) -> EngineRun:
     """Round 0 writes 10 chunks to a filesystem that holds 3; round 1
-    repeats those prompts; round 2 brings a new one."""
+    repeats those prompts; round 2, after a pause of two sweep intervals
+    (the sweeper makes room), brings a new one."""
     env = engine_env(small_fs, extra={"VINEYARD_CACHE_SWEEP_INTERVAL_S": "2"})
     return run_engine(
         toy_model,
         [
             {"prompts": prompts["fill"], "max_tokens": MAX_TOKENS},
             {"prompts": prompts["fill"], "max_tokens": MAX_TOKENS},
-            {"prompts": prompts["after"], "max_tokens": MAX_TOKENS},
+            {"prompts": prompts["after"], "max_tokens": MAX_TOKENS, "pause_s": 5.0},
         ],
         env,
         module_dir / "full_disk",

@@ -15,7 +15,8 @@ In each ``ROUND`` the ``prompts`` (token id lists) are generated greedily
 (``temperature=0, ignore_eos``, ``max_tokens``) in one ``LLM.generate`` call,
 or one call per prompt (``one_by_one``), or step by step with the cache's
 writer backends stopped until every request has its first token
-(``stop_writer_during_prefill``). Before the prompts, ``kill_backends``
+(``stop_writer_during_prefill``). Before the prompts, ``pause_s`` waits
+(for background work such as a sweep), ``kill_backends``
 SIGKILLs every vineyard backend process below the engine and ``break_path``
 replaces that directory (the cache root) by a regular file. After each round
 the runner waits (up to ``S`` seconds) until every update the cache submitted
@@ -350,6 +351,7 @@ def run_engine(
                 "kill_backends": False,
                 "stop_writer_during_prefill": False,
                 "break_path": None,
+                "pause_s": 0.0,
                 **r,
             }
             for r in rounds
@@ -510,6 +512,7 @@ def _main(spec_path: str) -> None:
         _note("engine ready")
         flush = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for r in spec["rounds"]:
+            time.sleep(r["pause_s"])  # e.g. for a background sweep to run
             killed = _kill_backends() if r["kill_backends"] else 0
             if r["break_path"]:
                 # The cache root turns into a regular file under the engine.
