@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -48,3 +49,15 @@ def resume_processes(pids: Iterable[int | None]) -> None:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def server_counter(url: str, name: str) -> float:
+    """A ``vllm:vineyard_cache_*`` counter as a server's /metrics shows it
+    (summed over its label sets)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"vllm:vineyard_cache_{name}_total{{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

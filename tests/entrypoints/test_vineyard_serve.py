@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from script_testing import clean_env
+from vineyard_testing import server_counter
 from vineyard_toy_model import make_toy_llama
 
 pytestmark = pytest.mark.engine
@@ -90,13 +91,7 @@ class Server:
             return json.load(r)["choices"][0]["token_ids"]
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(f"vllm:vineyard_cache_{name}_total{{"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return server_counter(self.url, name)
 
     def settle(self) -> bool:
         """Wait until every update handed to the background writer is

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from script_testing import ROOT, clean_env, load_script
+from vineyard_testing import server_counter
 
 pytestmark = pytest.mark.engine
 
@@ -124,14 +125,7 @@ class Server:
             return json.load(r)["choices"][0]["message"]["content"]
 
     def metric(self, name: str) -> float:
-        """A ``vllm:vineyard_cache_*`` counter as /metrics shows it."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(f"vllm:vineyard_cache_{name}_total{{"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return server_counter(self.url, name)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
