@@ -207,3 +207,17 @@ def test_writes_run_at_lower_priority_than_reads(small_cache: CacheHarness):
     reader_nice = os.getpriority(os.PRIO_PROCESS, small_cache.pid("read"))
     writer_nice = os.getpriority(os.PRIO_PROCESS, small_cache.pid("write"))
     assert writer_nice == min(19, reader_nice + 10)
+
+
+def test_backends_load_only_vineyards_kv_cache(small_cache: CacheHarness):
+    """A backend starts in a fraction of a second: it imports vineyard's KV
+    cache extension but neither the rest of vineyard (pandas, pyarrow), nor
+    vLLM, nor torch. What a process imported shows in its mapped files."""
+    h = small_cache
+    saved_sequence(h)  # the backends have started and served
+    for kind in ("read", "write"):
+        with open(f"/proc/{h.pid(kind)}/maps") as f:
+            mapped = f.read()
+        assert "_llm_C" in mapped, kind
+        for heavy in ("pyarrow", "pandas", "torch", "vineyard/_C."):
+            assert heavy not in mapped, (kind, heavy)

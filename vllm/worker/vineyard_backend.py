@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import mmap
@@ -83,6 +84,47 @@ class BackendSpec:
 # --------------------------------------------------------------------------
 
 
+_REGISTRY_VAR = "__VINEYARD_INTERNAL_REGISTRY"
+
+
+def _import_vineyard_llm() -> Any:
+    """``vineyard.llm`` without the rest of vineyard.
+
+    vineyard's package ``__init__`` imports pandas, pyarrow and its
+    deployment tools: over a second of CPU in every backend process, for
+    nothing the file-mode KV cache uses. Its extension needs only vineyard's
+    object registry, whose path vineyard's ``__init__`` passes in
+    ``__VINEYARD_INTERNAL_REGISTRY`` while it loads its extensions; this
+    does the same with an empty package module. Anywhere that layout is
+    missing (another vineyard build), the full import.
+    """
+    if "vineyard" not in sys.modules:
+        spec = importlib.util.find_spec("vineyard")
+        locations = spec.submodule_search_locations if spec else None
+        registry = (
+            os.path.join(locations[0], "libvineyard_internal_registry.so")
+            if locations
+            else ""
+        )
+        if spec is not None and registry and os.path.isfile(registry):
+            sys.modules["vineyard"] = importlib.util.module_from_spec(spec)
+            before = os.environ.get(_REGISTRY_VAR)
+            os.environ[_REGISTRY_VAR] = registry
+            try:
+                import vineyard.llm  # noqa: F401 - the package body is skipped
+            except ImportError:
+                for name in [m for m in sys.modules if m.split(".")[0] == "vineyard"]:
+                    del sys.modules[name]
+            finally:
+                if before is None:
+                    del os.environ[_REGISTRY_VAR]
+                else:
+                    os.environ[_REGISTRY_VAR] = before
+    import vineyard.llm
+
+    return vineyard.llm
+
+
 def _write_error_reason(path: str, need_bytes: int) -> str:
     """Why a write failed: vineyard swallows the errno, so ask the
     filesystem what it most likely was."""
@@ -137,7 +179,8 @@ def _release_failed_temp_files(temp_dir: str) -> int:
 class _VineyardServer:
     def __init__(self, spec: BackendSpec, shm: mmap.mmap):
         import numpy as np
-        from vineyard.llm import FileCacheConfig, KVCache, KVTensor
+
+        llm = _import_vineyard_llm()
 
         # Owner-only unless the operator shares the cache with a group.
         os.umask(0o007 if spec.group_access else 0o077)
@@ -156,14 +199,14 @@ class _VineyardServer:
         # Expiry and eviction are the sweeper's (by last use, across every
         # process): vineyard's own TTL counts from the write and only for
         # the process that wrote, so it is switched off.
-        config = FileCacheConfig(
+        config = llm.FileCacheConfig(
             chunk_size=spec.blocks_per_chunk,
             root=spec.root,
             gc_interval=YEAR_S,
             ttl=10 * YEAR_S,
         )
         half = spec.entry_bytes // 2
-        self._cache = KVCache(
+        self._cache = llm.KVCache(
             config, tensor_nbytes=half, cache_capacity=spec.max_blocks, layer=1
         )
         # One vineyard entry per block: K and V are the two halves of it.
@@ -171,7 +214,7 @@ class _VineyardServer:
         base = int(self._entries.ctypes.data)
         self._kv_lists = [
             [
-                [(KVTensor(ptr, half), KVTensor(ptr + half, half))]
+                [(llm.KVTensor(ptr, half), llm.KVTensor(ptr + half, half))]
                 for ptr in range(
                     base + b * spec.buffer_bytes,
                     base + (b + 1) * spec.buffer_bytes,

@@ -423,7 +423,8 @@ class VineyardLLMCache:
         self._writer: BackendProcess | None = None
         self._updater: _AsyncUpdater | None = None
         try:
-            # Both start at once: each takes a second or so to import vineyard.
+            # Both start at once (each spends a few tenths of a second
+            # importing vineyard's KV cache).
             self._reader = BackendProcess(
                 "read",
                 spec(2, False),
