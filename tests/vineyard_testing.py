@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Generic helpers shared by every vineyard cache test directory (the cache,
-connector and engine tests): polling with a deadline, waiting for a cache's
-background writes, and letting stopped backend processes go.
+connector and engine tests): the cores engines compute on, polling with a
+deadline, waiting for a cache's background writes, and letting stopped
+backend processes go.
 
 ``tests/conftest.py`` puts ``tests/`` on ``sys.path``, so this module
 imports by name (``from vineyard_testing import wait_until``).
@@ -14,12 +15,27 @@ import contextlib
 import os
 import signal
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm.worker.vineyard_llm_cache import VineyardLLMCache
+
+
+def engine_cpu() -> int:
+    """The core that this test process's engines compute on
+    (``VLLM_CPU_OMP_THREADS_BIND``): one per pytest-xdist worker, so that
+    engines of tests running side by side do not share a core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return cpus[int(worker.removeprefix("gw")) % len(cpus)]
+
+
+def other_cpu() -> int:
+    """A core for an engine that runs beside one on :func:`engine_cpu` (the
+    same core on a one-core machine)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[(cpus.index(engine_cpu()) + 1) % len(cpus)]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -49,15 +65,3 @@ def resume_processes(pids: Iterable[int | None]) -> None:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-
-
-def server_counter(url: str, name: str) -> float:
-    """A ``vllm:vineyard_cache_*`` counter as a server's /metrics shows it
-    (summed over its label sets)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"vllm:vineyard_cache_{name}_total{{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total

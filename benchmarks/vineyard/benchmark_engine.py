@@ -15,7 +15,7 @@ For each model (random-weight Llamas written locally, no download):
 
 Every engine runs in its own process (vLLM reads its environment at import)
 through the harness of the engine tests
-(``tests/v1/kv_connector/vineyard_engine_testing.py``), one process, eager,
+(``tests/vineyard_engine_testing.py``), one process, eager,
 its forward pass on one core (``OMP_NUM_THREADS=1``, the engines pinned to
 the first core; the cache's backend processes move to the others). Usage::
 
@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-# The engine harness is shared with the engine tests; the toy model writer
-# lives in tests/ (or, until it moves, in vllm.worker).
-sys.path[:0] = [str(ROOT / "tests" / "v1" / "kv_connector"), str(ROOT / "tests")]
+# The engine harness and the toy model writer are shared with the tests.
+sys.path.insert(0, str(ROOT / "tests"))
 
+import vineyard_toy_model as toy  # noqa: E402
 from vineyard_engine_testing import (  # noqa: E402
     EngineRun,
     engine_env,
@@ -87,16 +87,8 @@ TINY = Plan(models=["tiny"], prompts=4, prompt_tokens=(256, 512), max_tokens=2,
             kvcache_space_gib=1)  # fmt: skip
 
 
-def toy_model_module() -> Any:
-    """The random-weight Llama writer: ``tests/vineyard_toy_model.py`` when
-    it is there, else ``vllm.worker.vineyard_toy_model``."""
-    if (ROOT / "tests" / "vineyard_toy_model.py").exists():
-        return importlib.import_module("vineyard_toy_model")
-    return importlib.import_module("vllm.worker.vineyard_toy_model")
-
-
 def kv_bytes_per_token(model: str) -> int:
-    c = toy_model_module().ToyLlamaConfig(**MODELS[model])
+    c = toy.ToyLlamaConfig(**MODELS[model])
     element = 4 if c.dtype == "float32" else 2
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element
 
@@ -323,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    toy = toy_model_module()
     start = time.perf_counter()
     results = []
     if args.workdir:

