@@ -2,3 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Shared by every test directory: with this file pytest puts ``tests/`` on
 ``sys.path``, so helpers such as :mod:`script_testing` import by name."""
+
+import os
+
+import pytest
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, see pyproject.toml): one pytest-xdist worker
+    per core, at most four. Engine tests compute on their worker's core
+    (``vineyard_testing.engine_cpu``); more workers than cores would only
+    make them wait for each other, and each worker's engines take a few GiB.
+    """
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
