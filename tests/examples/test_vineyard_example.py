@@ -5,7 +5,8 @@ user would: ``--quick`` on the real model (SmolLM2-135M-Instruct), three
 fresh engine processes, about a minute.
 
 This is also the suite's real-model engine test: two fresh engines share a
-cache root, the second loads the ~1,900-token document's KV, and every
+cache root, the second loads the KV of the document's first three sections
+(two whole chunks of the ~680-token shared prefix), and every
 answer is the same text as on an engine with the cache off. Random-weight
 toy models stay the tool of every other engine test (faster, and a KV
 mix-up changes their outputs for sure); ``vllm serve`` on the real model is
@@ -84,8 +85,8 @@ def test_quick_run_passes(real_model: str, tmp_path: Path) -> None:
         assert f"A: {answer}" in output
     first, second = summary["counters"]["instance 1"], summary["counters"]["instance 2"]
     # Instance 1 saved the document, instance 2 (a fresh process) loaded it.
-    assert first["tokens_written"] >= 1024 and first["updates_failed"] == 0
-    assert second["hit_tokens"] >= 1024 and second["loaded_tokens"] >= 1024
+    assert first["tokens_written"] >= 512 and first["updates_failed"] == 0
+    assert second["hit_tokens"] >= 512 and second["loaded_tokens"] >= 512
     assert second["load_errors"] == 0
     assert 0 < summary["hit_rate"] <= 1
     assert summary["ttft_s"]["hit"] < summary["ttft_s"]["cold"]
