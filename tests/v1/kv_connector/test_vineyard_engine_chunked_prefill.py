@@ -73,7 +73,7 @@ def runs(
 def no_cache(
     toy_model: str, prompts: list[list[int]], reference: ReferenceRunner
 ) -> list[list[int]]:
-    return reference(toy_model, prompts, MAX_TOKENS).last.outputs
+    return reference(toy_model, prompts, max_tokens=MAX_TOKENS).last.outputs
 
 
 @pytest.mark.parametrize("mode", MODES)

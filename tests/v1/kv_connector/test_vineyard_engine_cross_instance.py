@@ -84,7 +84,7 @@ def no_cache(
     toy_model: str, prompts: dict[str, list[int]], reference: ReferenceRunner
 ) -> dict[str, list[int]]:
     names = [*FIRST, "partial"]
-    run = reference(toy_model, [prompts[n] for n in names], MAX_TOKENS)
+    run = reference(toy_model, [prompts[n] for n in names], max_tokens=MAX_TOKENS)
     return dict(zip(names, run.last.outputs, strict=True))
 
 
