@@ -66,7 +66,7 @@ SHUTDOWN_HUNG_EXIT = 3
 
 #: ``factory(**ToyLlamaConfig fields) -> checkpoint dir`` (a fixture).
 ModelFactory = Callable[..., str]
-#: ``reference(model, prompts, *more_prompts, max_tokens=8, **llm_kwargs)``.
+#: ``reference(model, prompts, max_tokens=8, **llm_kwargs) -> EngineRun``.
 ReferenceRunner = Callable[..., "EngineRun"]
 
 DEFAULT_LLM_KWARGS: dict[str, Any] = {

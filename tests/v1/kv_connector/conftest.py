@@ -51,28 +51,23 @@ def toy_model(toy_model_factory: ModelFactory) -> str:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRunner:
-    """``reference(model, prompts, *more_prompts, max_tokens=8,
-    **llm_kwargs)``: one engine without the cache (``VLLM_USE_VINEYARD_CACHE``
-    unset) generating ``prompts`` in one call, then each of ``more_prompts``
-    in a round of its own (independent of the earlier rounds only with
-    ``enable_prefix_caching=False``); memoized for the session."""
+    """``reference(model, prompts, max_tokens=8, **llm_kwargs)``: one
+    engine without the cache (``VLLM_USE_VINEYARD_CACHE`` unset) generating
+    ``prompts`` in one call; memoized for the session."""
     runs: dict[str, EngineRun] = {}
 
     def run(
         model: str,
-        *prompt_sets: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]],
         max_tokens: int = 8,
         **llm_kwargs: Any,
     ) -> EngineRun:
-        key = json.dumps([model, prompt_sets, max_tokens, llm_kwargs], sort_keys=True)
+        key = json.dumps([model, prompts, max_tokens, llm_kwargs], sort_keys=True)
         if key not in runs:
             workdir = tmp_path_factory.mktemp("reference")
             runs[key] = run_engine(
                 model,
-                [
-                    {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}
-                    for prompts in prompt_sets
-                ],
+                [{"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}],
                 engine_env(workdir / "unused-cache-root", use_cache=False),
                 workdir,
                 llm_kwargs=llm_kwargs,

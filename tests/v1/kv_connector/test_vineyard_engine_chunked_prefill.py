@@ -3,9 +3,10 @@
 """Chunked prefill, with synchronous and asynchronous updates.
 
 A 2500-token prompt with ``max_num_batched_tokens=512`` is computed in five
-steps; every whole chunk must still be saved, and a fresh engine must load
-all of them. ``VINEYARD_CACHE_ENABLE_ASYNC_UPDATE`` must change neither the
-outputs nor what the next engine finds.
+steps; every whole chunk must still be saved, and the same prompts asked
+again (vLLM's own prefix cache off, so only vineyard can serve them) must
+load all of them. ``VINEYARD_CACHE_ENABLE_ASYNC_UPDATE`` must change neither
+the outputs nor what is found.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vineyard_engine_testing import (
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 8
-LLM_KWARGS = {"max_num_batched_tokens": 512}
+LLM_KWARGS = {"max_num_batched_tokens": 512, "enable_prefix_caching": False}
 MODES = {"sync": "0", "async": "1"}
 
 
@@ -40,9 +41,10 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def runs(
     toy_model: str, prompts: list[list[int]], module_dir: Path
-) -> dict[str, tuple[EngineRun, EngineRun]]:
-    """Per mode, on its own cache root: a writer engine, then a fresh
-    reader engine."""
+) -> dict[str, EngineRun]:
+    """Per mode, on its own cache root, one engine: round 0 computes and
+    saves (the harness waits until every write is reported), round 1 asks
+    again and loads."""
     result = {}
     for mode, flag in MODES.items():
         env = engine_env(
@@ -50,22 +52,9 @@ def runs(
             extra={"VINEYARD_CACHE_ENABLE_ASYNC_UPDATE": flag},
         )
         round_ = {"prompts": prompts, "max_tokens": MAX_TOKENS}
-        writer = run_engine(
-            toy_model,
-            [round_],
-            env,
-            module_dir / mode / "writer",
-            llm_kwargs=LLM_KWARGS,
+        result[mode] = run_engine(
+            toy_model, [round_, round_], env, module_dir / mode, llm_kwargs=LLM_KWARGS
         )
-        assert writer.last.settled  # the reader's exact hits need every write
-        reader = run_engine(
-            toy_model,
-            [round_],
-            env,
-            module_dir / mode / "reader",
-            llm_kwargs=LLM_KWARGS,
-        )
-        result[mode] = (writer, reader)
     return result
 
 
@@ -78,45 +67,43 @@ def no_cache(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_chunk_saved(
-    mode: str,
-    runs: dict[str, tuple[EngineRun, EngineRun]],
-    prompts: list[list[int]],
+    mode: str, runs: dict[str, EngineRun], prompts: list[list[int]]
 ) -> None:
-    writer, _ = runs[mode]
-    assert writer.last.settled
+    written = runs[mode].rounds[0]
+    assert written.settled
     assert all(len(p) > LLM_KWARGS["max_num_batched_tokens"] for p in prompts)
-    assert writer.last.counter("tokens_written") == sum(
+    assert written.counter("tokens_written") == sum(
         saved_tokens(len(p), MAX_TOKENS) for p in prompts
     )
-    assert writer.last.counter("tokens_rejected") == 0
-    assert writer.last.counter("updates_skipped") == 0
-    assert writer.last.counter("updates_failed") == 0
+    assert written.counter("tokens_rejected") == 0
+    assert written.counter("updates_skipped") == 0
+    assert written.counter("updates_failed") == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fresh_engine_loads_every_chunk(
+def test_every_chunk_loaded(
     mode: str,
-    runs: dict[str, tuple[EngineRun, EngineRun]],
+    runs: dict[str, EngineRun],
     prompts: list[list[int]],
     no_cache: list[list[int]],
 ) -> None:
-    writer, reader = runs[mode]
+    run = runs[mode]
     expected = [cacheable_prefix(len(p)) for p in prompts]
-    assert reader.last.num_cached_tokens == expected
-    assert reader.last.counter("hit_tokens") == sum(expected)
-    assert reader.last.counter("loaded_tokens") == sum(expected)
-    assert reader.last.counter("load_errors") == 0
-    assert writer.last.outputs == no_cache
-    assert reader.last.outputs == no_cache
+    assert run.rounds[0].num_cached_tokens == [0] * len(prompts)
+    assert run.rounds[1].num_cached_tokens == expected
+    assert run.delta(1, "hit_tokens") == sum(expected)
+    assert run.delta(1, "loaded_tokens") == sum(expected)
+    assert run.last.counter("load_errors") == 0
+    assert run.rounds[0].outputs == no_cache
+    assert run.rounds[1].outputs == no_cache
 
 
-def test_sync_and_async_agree(runs: dict[str, tuple[EngineRun, EngineRun]]) -> None:
-    sync_writer, sync_reader = runs["sync"]
-    async_writer, async_reader = runs["async"]
-    assert sync_writer.last.outputs == async_writer.last.outputs
-    assert sync_reader.last.outputs == async_reader.last.outputs
-    assert sync_reader.last.num_cached_tokens == async_reader.last.num_cached_tokens
+def test_sync_and_async_agree(runs: dict[str, EngineRun]) -> None:
+    sync, async_ = runs["sync"], runs["async"]
+    for i in (0, 1):
+        assert sync.rounds[i].outputs == async_.rounds[i].outputs
+        assert sync.rounds[i].num_cached_tokens == async_.rounds[i].num_cached_tokens
     for name in ("hit_tokens", "loaded_tokens", "query_tokens"):
-        assert sync_reader.last.counter(name) == async_reader.last.counter(name)
+        assert sync.delta(1, name) == async_.delta(1, name)
     for name in ("tokens_written", "updates_completed"):
-        assert sync_writer.last.counter(name) == async_writer.last.counter(name)
+        assert sync.delta(0, name) == async_.delta(0, name)

@@ -61,7 +61,7 @@ def no_cache(
     """What an engine without the cache generates (one reference run)."""
     names = ("fill", "after", "shared")
     outputs = reference(
-        toy_model, [p for n in names for p in prompts[n]], MAX_TOKENS
+        toy_model, [p for n in names for p in prompts[n]], max_tokens=MAX_TOKENS
     ).last.outputs
     out: dict[str, list[list[int]]] = {}
     for n in names:
