@@ -122,7 +122,7 @@ def test_a_write_error_on_every_write(small_fs: Path) -> None:
         h.reset_counters()
         remount(small_fs, "ro")
         try:
-            assert "not writable" in _write_error_reason(h.files.root, 1)
+            assert "not writable" in (_write_error_reason(h.files.root, 1) or "")
             for tokens in during:
                 h.write(tokens, max_saves=2)
             c = h.counters()
@@ -182,3 +182,17 @@ def test_failed_writes_release_their_files(small_fs: Path) -> None:
         assert temp_bytes == 0
     finally:
         h.cache.close()
+
+
+def test_only_filesystem_failures_are_write_errors(tmp_path: Path) -> None:
+    """vineyard hides errno, so a failed write is classified by what the
+    filesystem shows: a full or unwritable root, an unusable path, or the
+    temp file vineyard leaves open when a write fails in the filesystem.
+    Without any of these it was a race with another process on the root
+    (no locking in vineyard), which is not the operator's to fix."""
+    root = str(tmp_path)
+    assert _write_error_reason(root, 1, leaked_files=0) is None
+    assert "I/O error" in (_write_error_reason(root, 1, leaked_files=1) or "")
+    assert "ENOSPC" in (_write_error_reason(root, 1 << 62, leaked_files=0) or "")
+    missing = str(tmp_path / "gone")
+    assert "unusable" in (_write_error_reason(missing, 1, leaked_files=0) or "")

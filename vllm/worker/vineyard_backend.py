@@ -125,9 +125,19 @@ def _import_vineyard_llm() -> Any:
     return vineyard.llm
 
 
-def _write_error_reason(path: str, need_bytes: int) -> str:
+def _write_error_reason(
+    path: str, need_bytes: int, leaked_files: int = 1
+) -> str | None:
     """Why a write failed: vineyard swallows the errno, so ask the
-    filesystem what it most likely was."""
+    filesystem what it most likely was. ``None``: not the filesystem.
+
+    A write that failed in the filesystem leaves vineyard's temp file open
+    (``leaked_files``). A failure with neither a leaked file nor a full or
+    unwritable root is a race with another process on the same root (a
+    writer of the same chunks, a sweeper evicting the prefix and another
+    writer putting it back): vineyard has no locking. That is a refusal,
+    not an error: the chunk is someone else's to write or is written again
+    when a request needs it."""
     try:
         st = os.statvfs(path)
     except OSError as e:
@@ -136,6 +146,8 @@ def _write_error_reason(path: str, need_bytes: int) -> str:
         return "no space left on device (ENOSPC)"
     if not os.access(path, os.W_OK):
         return "cache root not writable"
+    if not leaked_files:
+        return None
     return "write failed (I/O error or quota; vineyard does not report errno)"
 
 
@@ -259,11 +271,14 @@ class _VineyardServer:
             ):  # fmt: skip
                 failed = prefix + ids[: stored + bpc]
                 if not self._files.is_complete(failed):
-                    error = _write_error_reason(
-                        self._spec.root, self._files.file_bytes(len(failed))
+                    leaked = _release_failed_temp_files(
+                        os.path.join(self._spec.root, "__temp")
                     )
-                    self._stats["write_errors"] += 1
-                    _release_failed_temp_files(os.path.join(self._spec.root, "__temp"))
+                    error = _write_error_reason(
+                        self._spec.root, self._files.file_bytes(len(failed)), leaked
+                    )
+                    if error is not None:
+                        self._stats["write_errors"] += 1
             self._stats["bytes_written"] += stored * self._spec.entry_bytes
             results.append((stored, error))
         return {"stored": results, "stats": self.take_stats()}
