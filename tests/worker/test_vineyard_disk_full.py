@@ -196,3 +196,7 @@ def test_only_filesystem_failures_are_write_errors(tmp_path: Path) -> None:
     assert "ENOSPC" in (_write_error_reason(root, 1 << 62, leaked_files=0) or "")
     missing = str(tmp_path / "gone")
     assert "unusable" in (_write_error_reason(missing, 1, leaked_files=0) or "")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    reason = _write_error_reason(str(a_file), 1, leaked_files=0)
+    assert "not a directory" in (reason or "")

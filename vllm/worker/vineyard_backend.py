@@ -142,6 +142,8 @@ def _write_error_reason(
         st = os.statvfs(path)
     except OSError as e:
         return f"cache root unusable ({e})"
+    if not os.path.isdir(path):
+        return "cache root unusable (not a directory)"
     if st.f_bavail * st.f_frsize < need_bytes:
         return "no space left on device (ENOSPC)"
     if not os.access(path, os.W_OK):
