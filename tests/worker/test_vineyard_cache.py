@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from vineyard_cache_testing import (
+    BLOCK_SIZE,
     CHUNK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
     CacheFactory,
@@ -132,12 +133,61 @@ def test_lookup_of_a_local_hit_that_vineyard_lacks_saves_from_its_end(
 
 
 def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
+    """A prompt that ends at a chunk's end hits all but its last block: the
+    last chunk is used in part (one block plus the required token is
+    recomputed, not a whole chunk)."""
     h = small_cache
+    assert CHUNK_SIZE > h.block_size  # the last chunk is split
     tokens = make_tokens(CACHED)  # exactly whole chunks
     h.save_tokens(tokens, SRC_BLOCK, num_computed=CACHED)
     assert h.counters()["tokens_written"] == CACHED
-    assert h.lookup(tokens, 0) == (CACHED - CHUNK_SIZE, CACHED - CHUNK_SIZE)
+    assert h.lookup(tokens, 0) == (CACHED - h.block_size, CACHED)
     assert h.lookup(tokens + [7], 0) == (CACHED, CACHED)
+    # A shorter prompt of the same prefix finds a chunk only if it holds
+    # all of the chunk's blocks (a chunk is named by all their ids): with
+    # chunks of several blocks (not the default) one that ends inside a
+    # chunk hits to the chunk boundary before it.
+    for length in range(h.block_size + 1, CACHED, 5):
+        want = (length - 1) // h.block_size * h.block_size
+        found = length // CHUNK_SIZE * CHUNK_SIZE
+        assert h.lookup(tokens[:length], 0)[0] == min(want, found), length
+
+
+def test_one_block_chunks_hit_every_length_to_the_block(make_cache: CacheFactory):
+    """With the default chunk of one block, every prompt of a cached
+    sequence, short ones included, hits all its complete blocks before
+    the token vLLM must compute, and loads them."""
+    h = make_cache(chunk_size=BLOCK_SIZE)
+    bs = h.block_size
+    tokens = make_tokens(SEQ_LEN)
+    src = h.save_tokens(tokens, SRC_BLOCK)
+    assert h.counters()["tokens_written"] == SEQ_LEN // bs * bs
+    for length in range(1, SEQ_LEN + 1):
+        want = (length - 1) // bs * bs
+        assert h.lookup(tokens[:length], 0) == (want, want), length
+    length = 3 * bs + 5  # shorter than some chunks of other designs
+    dst = h.blocks_for(DST_BLOCK, length)
+    before = h.kv.clone()
+    assert h.load(tokens[:length], 0, 3 * bs, dst) == 3 * bs
+    h.check_loaded(before, src[:3], dst[:3])
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 9])
+def test_load_of_part_of_a_chunk(small_cache: CacheHarness, blocks: int):
+    """A load that ends inside a chunk reads the whole chunk but writes only
+    the blocks asked for: the block after the hit is not the request's to
+    fill yet (vLLM computes it)."""
+    h = small_cache
+    bs = h.block_size
+    tokens = make_tokens(CACHED)
+    src = h.save_tokens(tokens, SRC_BLOCK, num_computed=CACHED)
+    assert blocks % h.layout.blocks_per_chunk  # ends inside a chunk
+    dst = h.blocks_for(DST_BLOCK, CACHED)
+    before = h.kv.clone()
+    end = blocks * bs
+    assert h.load(tokens, 0, end, dst) == end
+    h.check_loaded(before, src[:blocks], dst[:blocks])
+    assert h.counters()["loaded_tokens"] == end
 
 
 def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):

@@ -22,6 +22,7 @@ from vllm.worker.vineyard_config import (
     ENV_VARS,
     VineyardLLMCacheConfig,
     env_name,
+    setting_fields,
 )
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 from vllm.worker.vineyard_store import load_auth_key
@@ -99,12 +100,11 @@ CASES: dict[str, EnvCase] = {
     ),
     "VINEYARD_CACHE_CHUNK_SIZE": EnvCase(
         "chunk_size",
-        (("512", 512), ("16", 16)),
+        (("512", 512), ("16", 16), ("0", 0)),
         (
-            ("big", "[1, inf]"),
-            ("0", "[1, inf]"),
-            ("-256", "[1, inf]"),
-            ("12.5", "[1, inf]"),
+            ("big", "0 (one block) or a positive multiple"),
+            ("-256", "0 (one block) or a positive multiple"),
+            ("12.5", "0 (one block) or a positive multiple"),
         ),
     ),
     "VINEYARD_CACHE_DISK_LIMIT_GB": EnvCase(
@@ -172,7 +172,7 @@ def _valid_values() -> list[Any]:
 
 def test_every_variable_is_tested() -> None:
     assert set(CASES) == set(ENV_VARS)
-    fields = {f.name for f in dataclasses.fields(VineyardLLMCacheConfig)}
+    fields = {f.name for f in setting_fields()}
     assert {case.field for case in CASES.values()} == fields
 
 
@@ -180,7 +180,7 @@ def test_empty_environment_gives_the_defaults() -> None:
     assert VineyardLLMCacheConfig.from_env({}) == DEFAULTS
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(VineyardLLMCacheConfig)}
+FIELDS = {f.name: f for f in setting_fields()}
 
 
 @pytest.mark.parametrize("name", sorted(ENV_VARS))
@@ -266,25 +266,50 @@ def test_min_equal_to_max_is_allowed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("chunk_size", "block_size", "ok"),
+    ("chunk_size", "block_size", "tokens"),
     [
-        (256, 16, True),
-        (32, 32, True),
-        (128, 128, True),
-        (48, 32, False),
-        (100, 16, False),
+        (0, 16, 16),  # the default: one block
+        (0, 128, 128),
+        (256, 16, 256),
+        (32, 32, 32),
+        (128, 128, 128),
+        (48, 32, None),
+        (100, 16, None),
     ],
 )
-def test_check_chunk_size(chunk_size: int, block_size: int, ok: bool) -> None:
+def test_chunk_tokens(chunk_size: int, block_size: int, tokens: int | None) -> None:
     config = dataclasses.replace(DEFAULTS, chunk_size=chunk_size)
-    if ok:
-        config.check_chunk_size(block_size)
+    if tokens is not None:
+        assert config.chunk_tokens(block_size) == tokens
         return
     with pytest.raises(ValueError) as excinfo:
-        config.check_chunk_size(block_size)
+        config.chunk_tokens(block_size)
     message = str(excinfo.value)
     assert f"VINEYARD_CACHE_CHUNK_SIZE={chunk_size}" in message
-    assert f"allowed: a positive multiple of {block_size}" in message
+    assert f"allowed: 0 (one block) or a positive multiple of {block_size}" in message
+
+
+def test_errors_found_after_parsing_name_the_key_the_user_wrote() -> None:
+    """A chunk size from ``kv_connector_extra_config`` that splits blocks
+    is reported under that key, not the environment variable's name."""
+    config = VineyardLLMCacheConfig.from_env({}, {"chunk_size": 7})
+    with pytest.raises(ValueError) as excinfo:
+        config.chunk_tokens(16)
+    message = str(excinfo.value)
+    assert "kv_connector_extra_config['chunk_size']=7" in message
+    assert "VINEYARD_CACHE_CHUNK_SIZE" not in message
+    # From the environment, the variable is named.
+    config = VineyardLLMCacheConfig.from_env({"VINEYARD_CACHE_CHUNK_SIZE": "7"})
+    with pytest.raises(ValueError, match="VINEYARD_CACHE_CHUNK_SIZE=7"):
+        config.chunk_tokens(16)
+    # Settings checked together name their keys too.
+    with pytest.raises(ValueError) as excinfo:
+        VineyardLLMCacheConfig.from_env(
+            {"VINEYARD_CACHE_MAX_INFLIGHT_TASKS": "1"}, {"min_inflight_tasks": 2}
+        )
+    message = str(excinfo.value)
+    assert "kv_connector_extra_config['min_inflight_tasks']=2" in message
+    assert "VINEYARD_CACHE_MAX_INFLIGHT_TASKS=1" in message
 
 
 def test_cache_rejects_a_chunk_size_that_splits_blocks(tmp_path: Path) -> None:

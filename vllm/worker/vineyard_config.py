@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 ENABLE_VAR = "VLLM_USE_VINEYARD_CACHE"
@@ -93,6 +93,22 @@ _POSITIVE = _number(float, 0, False, None)
 _NON_NEGATIVE = _number(float, 0, True, None)
 
 
+def _chunk_size() -> tuple[Parser, str]:
+    allowed = "0 (one block) or a positive multiple of vLLM's block size"
+    parse_int = _number(int, 0, True, None)[0]
+
+    def parse(name: str, raw: str) -> int:
+        try:
+            return int(parse_int(name, raw))
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not valid; allowed: {allowed}") from None
+
+    return parse, allowed
+
+
+_CHUNK_SIZE = _chunk_size()
+
+
 def _setting(default: str, help: str, parser: tuple[Parser, str]) -> Any:
     """A config field: its default is ``default`` parsed, and the raw
     default, help text, parser and allowed range travel in its metadata."""
@@ -122,9 +138,10 @@ class VineyardLLMCacheConfig:
         _path(optional=False),
     )
     chunk_size: int = _setting(
-        "256",
-        "Tokens per cached chunk (the unit of lookup and write).",
-        (_POSITIVE_INT[0], "a positive multiple of vLLM's block size"),
+        "0",
+        "Tokens per cached chunk (the unit of lookup and write, one file "
+        "each); 0: one KV block, so hits and saves are exact to the block.",
+        _CHUNK_SIZE,
     )
     cpu_mem_limit_gb: float = _setting(
         "8", "CPU memory budget (GiB) of the cache's buffers on each worker.",
@@ -198,14 +215,24 @@ class VineyardLLMCacheConfig:
         "they are dropped.",
         _NON_NEGATIVE,
     )
+    #: Where each value came from (the key the user wrote), for errors
+    #: found after parsing; settings not listed came from the environment.
+    sources: Mapping[str, str] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.min_inflight_tasks > self.max_inflight_tasks:
             raise ValueError(
-                f"{env_name('min_inflight_tasks')}={self.min_inflight_tasks} is "
-                f"greater than {env_name('max_inflight_tasks')}="
+                f"{self.setting('min_inflight_tasks')}={self.min_inflight_tasks}"
+                f" is greater than {self.setting('max_inflight_tasks')}="
                 f"{self.max_inflight_tasks}; allowed: MIN <= MAX"
             )
+
+    def setting(self, field_name: str) -> str:
+        """How the user named a setting: its ``kv_connector_extra_config``
+        key if it came from there, else its environment variable."""
+        return self.sources.get(field_name, env_name(field_name))
 
     @classmethod
     def from_env(
@@ -218,12 +245,12 @@ class VineyardLLMCacheConfig:
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})
         values: dict[str, Any] = {}
-        for f in fields(cls):
+        sources: dict[str, str] = {}
+        for f in setting_fields():
             name, parse = env_name(f.name), f.metadata["parse"]
             if f.name in extra:
-                values[f.name] = parse(
-                    f"kv_connector_extra_config[{f.name!r}]", extra.pop(f.name)
-                )
+                sources[f.name] = f"kv_connector_extra_config[{f.name!r}]"
+                values[f.name] = parse(sources[f.name], extra.pop(f.name))
             elif name in environ:
                 values[f.name] = parse(name, environ[name])
         # The extra config is this connector's alone: a misspelt key must
@@ -232,17 +259,23 @@ class VineyardLLMCacheConfig:
         if unknown:
             raise ValueError(
                 f"kv_connector_extra_config has unknown key(s) {unknown}; "
-                f"allowed: {sorted(f.name for f in fields(cls))}"
+                f"allowed: {sorted(f.name for f in setting_fields())}"
             )
-        return cls(**values)
+        return cls(**values, sources=sources)
 
-    def check_chunk_size(self, block_size: int) -> None:
+    def chunk_tokens(self, block_size: int) -> int:
+        """The chunk size in tokens for vLLM's ``block_size`` (one block
+        unless set); raises ``ValueError`` naming the setting as the user
+        wrote it if it splits blocks."""
+        if self.chunk_size == 0:
+            return block_size
         if self.chunk_size % block_size != 0:
             raise ValueError(
-                f"{env_name('chunk_size')}={self.chunk_size} is not a multiple "
-                f"of the KV block size {block_size}; allowed: a positive "
-                f"multiple of {block_size}"
+                f"{self.setting('chunk_size')}={self.chunk_size} is not a "
+                f"multiple of the KV block size {block_size}; allowed: 0 (one "
+                f"block) or a positive multiple of {block_size}"
             )
+        return self.chunk_size
 
     def num_update_buffers(self, buffer_bytes: int) -> int:
         """``floor(UTIL * LIMIT / buffer_bytes)`` clamped to [MIN, MAX];
@@ -252,16 +285,21 @@ class VineyardLLMCacheConfig:
         if fits < self.min_inflight_tasks:
             need_gb = self.min_inflight_tasks * buffer_bytes / GiB
             raise ValueError(
-                f"{env_name('async_update_cpu_mem_util')}="
+                f"{self.setting('async_update_cpu_mem_util')}="
                 f"{self.async_update_cpu_mem_util} x "
-                f"{env_name('cpu_mem_limit_gb')}={self.cpu_mem_limit_gb} gives "
-                f"{budget / GiB:.3f} GiB, too small for "
-                f"{env_name('min_inflight_tasks')}={self.min_inflight_tasks} "
+                f"{self.setting('cpu_mem_limit_gb')}={self.cpu_mem_limit_gb} "
+                f"gives {budget / GiB:.3f} GiB, too small for "
+                f"{self.setting('min_inflight_tasks')}={self.min_inflight_tasks} "
                 f"update buffer(s) of {buffer_bytes / (1 << 20):.1f} MiB each "
                 f"(one step of KV); allowed: UTIL x LIMIT >= {need_gb:.3f} GiB "
                 "(or fewer max_num_batched_tokens)"
             )
         return min(fits, self.max_inflight_tasks)
+
+
+def setting_fields() -> list[Field[Any]]:
+    """The fields that are settings (each has a parser)."""
+    return [f for f in fields(VineyardLLMCacheConfig) if "parse" in f.metadata]
 
 
 def env_name(field_name: str) -> str:
@@ -290,7 +328,7 @@ ENV_VARS: dict[str, EnvVar] = {
         f.metadata["allowed"],
         f.metadata["help"],
     )
-    for f in fields(VineyardLLMCacheConfig)
+    for f in setting_fields()
 }
 
 

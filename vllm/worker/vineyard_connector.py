@@ -57,7 +57,11 @@ class VineyardConnector(KVConnectorBase_V1):
         self.config = VineyardLLMCacheConfig.from_env(
             extra_config=self._kv_transfer_config.kv_connector_extra_config
         )
-        self._key_id = key_id(load_auth_key(self.config.auth_key_file))
+        self._key_id = key_id(
+            load_auth_key(
+                self.config.auth_key_file, self.config.setting("auth_key_file")
+            )
+        )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 f"{CONNECTOR_NAME} supports models with one KV cache group "
@@ -66,7 +70,7 @@ class VineyardConnector(KVConnectorBase_V1):
             )
         self._group = kv_cache_config.kv_cache_groups[0]
         self.block_size = self._group.kv_cache_spec.block_size
-        self.config.check_chunk_size(self.block_size)
+        self.chunk_size = self.config.chunk_tokens(self.block_size)
         self._scheduler: VineyardConnectorScheduler | None = None
         self._worker: VineyardConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -83,6 +87,7 @@ class VineyardConnector(KVConnectorBase_V1):
             self._scheduler = VineyardConnectorScheduler(
                 self.config,
                 self.block_size,
+                self.chunk_size,
                 vllm_config.parallel_config.tensor_parallel_size,
             )
         else:
@@ -117,7 +122,7 @@ class VineyardConnector(KVConnectorBase_V1):
             block_size=self.block_size,
             block_bytes=self._group.kv_cache_spec.page_size_bytes,
             kv_layout=kv_layout,
-            chunk_size=self.config.chunk_size,
+            chunk_size=self.chunk_size,
             tp_size=tp_size,
             tp_rank=tp_rank,
             key_id=self._key_id,

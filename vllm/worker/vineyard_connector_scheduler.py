@@ -74,11 +74,15 @@ class _RequestState:
 
 class VineyardConnectorScheduler:
     def __init__(
-        self, config: VineyardLLMCacheConfig, block_size: int, tp_size: int
+        self,
+        config: VineyardLLMCacheConfig,
+        block_size: int,
+        chunk_size: int,
+        tp_size: int,
     ) -> None:
         self.config = config
         self.block_size = block_size
-        self.chunk_size = config.chunk_size
+        self.chunk_size = chunk_size
         self._tp_size = tp_size
         self._lookup: VineyardCacheLookup | None = None
         self._requests: dict[str, _RequestState] = {}
@@ -155,10 +159,11 @@ class VineyardConnectorScheduler:
             request = state.request
             num_computed = request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
-            # The digests of completed chunks (and of what is loaded).
+            # The digests of completed chunks, and of every chunk a load
+            # reads (a load that ends inside a chunk reads all of it).
             needed = num_computed // chunk * chunk
             if state.load is not None:
-                needed = max(needed, state.load[1])
+                needed = max(needed, -(-state.load[1] // chunk) * chunk)
             digests = state.digests_up_to(min(needed, request.num_tokens), bs)
             new_digests = digests[state.digests_sent : needed // bs]
             state.digests_sent += len(new_digests)

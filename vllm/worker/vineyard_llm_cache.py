@@ -359,7 +359,11 @@ class VineyardLLMCache:
         kv_caches: Sequence[torch.Tensor],
         num_blocks: int,
     ):
-        config.check_chunk_size(layout.block_size)
+        if config.chunk_tokens(layout.block_size) != layout.chunk_size:
+            raise ValueError(
+                f"layout chunk of {layout.chunk_size} tokens, but "
+                f"{config.setting('chunk_size')}={config.chunk_size}"
+            )
         if len(kv_caches) != layout.num_layers:
             raise ValueError(
                 f"got {len(kv_caches)} KV cache tensors for {layout.num_layers} layers"
@@ -518,31 +522,35 @@ class VineyardLLMCache:
         block_ids: Sequence[int],
     ) -> int:
         """Copy the cached KV of tokens ``[start, end)`` into the request's
-        blocks (``digests`` and ``block_ids`` cover the request from token 0).
+        blocks (``digests`` and ``block_ids`` cover the request from token 0,
+        ``digests`` up to the end of the chunk that holds ``end``).
 
-        ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks
-        from the chunk boundary at or before ``start``, but blocks before
-        ``start`` (vLLM's own prefix-cache hit, maybe shared with running
-        requests) are never written. The reader verifies every entry before
-        it is copied. Returns the end of what was loaded; less than ``end``
-        means the rest must be recomputed.
+        ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks,
+        from the chunk boundary at or before ``start`` to the one at or after
+        ``end``, but only blocks in ``[start, end)`` are written: blocks
+        before ``start`` (vLLM's own prefix-cache hit, maybe shared with
+        running requests) and after ``end`` (not the request's to fill) are
+        left alone. The reader verifies every entry before it is copied.
+        Returns the end of what was loaded; less than ``end`` means the rest
+        must be recomputed.
 
         Segments of a quarter buffer (whole chunks) are read in turn; the
         read of segment ``k + 1`` runs in the reader process while segment
         ``k`` is copied into the KV blocks here, so a load costs about one
         read plus one segment's copy, not a read plus a copy.
         """
-        bs = self.layout.block_size
+        bs, bpc = self.layout.block_size, self.layout.blocks_per_chunk
         assert start % bs == 0 and end % bs == 0
         assert self._reader is not None
         if end <= start:
             return start  # nothing to load
         reader = self._reader
         t0 = time.perf_counter()
-        first, last = start // self.chunk_size * self.layout.blocks_per_chunk, end // bs
-        ids = synthetic_ids(digests[:last])
+        first, last = start // self.chunk_size * bpc, end // bs
+        read_end = min(-(-last // bpc), len(digests) // bpc) * bpc
+        ids = synthetic_ids(digests[:read_end])
         step = self._load_segment_blocks
-        segments = [(b, min(b + step, last)) for b in range(first, last, step)]
+        segments = [(b, min(b + step, read_end)) for b in range(first, read_end, step)]
 
         def query(k: int) -> None:
             s, e = segments[k]
@@ -554,20 +562,19 @@ class VineyardLLMCache:
         loaded = start // bs
         in_flight = False
         try:
-            query(0)
-            in_flight = True
+            if segments:
+                query(0)
+                in_flight = True
             for k, (s, e) in enumerate(segments):
                 verified = self._receive(reader)["verified"]
                 in_flight = False
                 if s + verified == e and k + 1 < len(segments):
                     query(k + 1)
                     in_flight = True
-                skip = max(0, loaded - s)
-                if verified > skip:
-                    self._copy_in(
-                        k % 2, skip, verified, block_ids[s + skip : s + verified]
-                    )
-                    loaded = s + verified
+                skip, use = max(0, loaded - s), min(verified, last - s)
+                if use > skip:
+                    self._copy_in(k % 2, skip, use, block_ids[s + skip : s + use])
+                    loaded = s + use
                 if s + verified < e:
                     break
         except BackendError as e:

@@ -118,21 +118,25 @@ class VineyardCacheLookup:
         """How many tokens beyond vLLM's local prefix hit are cached.
 
         ``digests`` are the chained digests of the prompt's complete blocks.
-        Returns ``(num_hit_tokens, save_from)``: ``num_hit_tokens`` counts
-        whole chunks after ``num_local_tokens`` (at least one token is always
-        left to compute); ``save_from`` is the end of the cached chunks,
-        where the request's saves should start.
+        Returns ``(num_hit_tokens, save_from)``. The hit ends at the last
+        complete block before the token vLLM must compute (so at most one
+        block plus that token is recomputed); a chunk that reaches past
+        that block is used in part. ``save_from`` is the end of the cached
+        chunks, where the request's saves start.
         """
-        chunk = self.chunk_size
-        max_chunks = min(
-            (num_tokens - 1) // chunk, len(digests) * self.block_size // chunk
-        )
-        ids = synthetic_ids(digests[: max_chunks * chunk // self.block_size])
+        bs, bpc = self.block_size, self.chunk_size // self.block_size
+        want_blocks = min((num_tokens - 1) // bs, len(digests))
+        # A chunk is found by the ids of all its blocks, so only chunks the
+        # prompt holds whole can be looked up.
+        max_chunks = min(-(-want_blocks // bpc), len(digests) // bpc)
+        ids = synthetic_ids(digests[: max_chunks * bpc])
         cached = max_chunks
         for files in self._files:
-            cached = files.count_complete(ids, cached)
-        hit_end = cached * chunk
+            found = files.count_complete(ids, cached)
+            self.metrics.add("lookup_stats", min(found + 1, cached))
+            cached = found
+        hit_end = min(cached * bpc, want_blocks) * bs
         num_hit = max(0, hit_end - num_local_tokens)
-        self.metrics.add("query_tokens", max(0, max_chunks * chunk - num_local_tokens))
+        self.metrics.add("query_tokens", max(0, want_blocks * bs - num_local_tokens))
         self.metrics.add("hit_tokens", num_hit)
-        return num_hit, hit_end
+        return num_hit, cached * self.chunk_size

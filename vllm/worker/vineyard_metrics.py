@@ -25,6 +25,7 @@ METRIC_PREFIX = "vllm:vineyard_cache_"
 COUNTERS: dict[str, str] = {
     "query_tokens": "Tokens looked up in vineyard beyond the local prefix cache.",
     "hit_tokens": "Looked-up tokens found in vineyard.",
+    "lookup_stats": "File metadata calls (stat) made by lookups.",
     "loaded_tokens": "Tokens whose KV was loaded from vineyard (verified).",
     "load_errors": "Loads that failed or returned less than the lookup promised.",
     "corrupt_chunks": "Chunks that failed verification (or could not be read) "

@@ -94,9 +94,12 @@ def synthetic_ids(digests: Sequence[bytes]) -> list[int]:
 # --------------------------------------------------------------------------
 
 
-def load_auth_key(path: str) -> bytes | None:
+def load_auth_key(
+    path: str, setting: str = "VINEYARD_CACHE_AUTH_KEY_FILE"
+) -> bytes | None:
     """The 32-byte MAC key derived from the secret in ``path`` (None for no
-    path); raises ``ValueError`` naming the setting if it cannot be used."""
+    path); raises ``ValueError`` naming the ``setting`` (as the user wrote
+    it) if it cannot be used."""
     if not path:
         return None
     try:
@@ -104,13 +107,13 @@ def load_auth_key(path: str) -> bytes | None:
             secret = f.read()
     except OSError as e:
         raise ValueError(
-            f"VINEYARD_CACHE_AUTH_KEY_FILE={path!r} cannot be read ({e}); "
+            f"{setting}={path!r} cannot be read ({e}); "
             "allowed: a readable file holding a secret of at least 16 bytes"
         ) from None
     secret = secret.strip()
     if len(secret) < 16:
         raise ValueError(
-            f"VINEYARD_CACHE_AUTH_KEY_FILE={path!r} holds {len(secret)} bytes; "
+            f"{setting}={path!r} holds {len(secret)} bytes; "
             "allowed: a secret of at least 16 bytes"
         )
     return hashlib.blake2b(secret, digest_size=32, person=b"vineyard-kv").digest()
@@ -208,7 +211,7 @@ class ChunkFiles:
     def count_complete(self, ids: Sequence[int], max_chunks: int) -> int:
         """How many leading chunks of ``ids`` are on disk, by ``stat`` only
         (no KV is read): one metadata call per chunk, stopping at the first
-        missing one."""
+        missing one (so at most ``result + 1`` calls)."""
         bpc = self.blocks_per_chunk
         n = 0
         while n < max_chunks and self.is_complete(ids[: (n + 1) * bpc]):

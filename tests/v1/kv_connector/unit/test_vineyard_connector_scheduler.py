@@ -200,12 +200,26 @@ def test_at_least_one_token_is_computed(
     worker: WorkerHarness,
     sched: VineyardConnectorScheduler,
 ) -> None:
-    """A prompt of exactly three cached chunks hits two: vLLM must compute
-    the last token to sample."""
+    """A prompt of exactly three cached chunks hits all but its last block
+    (vLLM must compute the last token to sample): the last chunk is loaded
+    in part, its digests are all sent (the read names the whole chunk), and
+    the worker fills exactly the hit's blocks."""
     prompt = random_tokens(3 * CHUNK_SIZE)
     cache_prompt(config, worker, prompt + [5], 3 * CHUNK_SIZE)
     req = make_request("exact", prompt)
-    assert admit(sched, req) == 2 * CHUNK_SIZE
+    hit = 3 * CHUNK_SIZE - BLOCK_SIZE
+    assert admit(sched, req) == hit
+    source = [worker.block(b) for b in range(3 * BLOCKS_PER_CHUNK)]
+    dst = list(range(40, 40 + 3 * BLOCKS_PER_CHUNK))
+    last_before = worker.block(dst[-1])
+    delta = only(run_step(sched, Step(new=[(req, dst, BLOCK_SIZE)]), [worker]))
+    assert delta.load == (0, hit)
+    assert delta.new_digests == digests(prompt)[: 3 * BLOCKS_PER_CHUNK]
+    assert worker.worker.take_load_errors() == set()
+    for b, src in zip(dst[:-1], source, strict=False):
+        assert torch.equal(worker.block(b), src)
+    # The last block is the step's to compute, not the load's.
+    assert torch.equal(worker.block(dst[-1]), last_before)
 
 
 # ---- what is not cached -----------------------------------------------------
@@ -344,7 +358,9 @@ def test_missing_rank_handshake_turns_the_cache_off(
     scheduler side neither looks up nor sends anything."""
     from vllm.worker.vineyard_connector_metadata import VineyardHandshake
 
-    sched = VineyardConnectorScheduler(config, BLOCK_SIZE, tp_size=2)
+    sched = VineyardConnectorScheduler(
+        config, BLOCK_SIZE, config.chunk_tokens(BLOCK_SIZE), tp_size=2
+    )
     sched.set_handshakes({0: VineyardHandshake(make_layout(2, 0))})
     req = make_request("off", random_tokens(100))
     assert admit(sched, req) == 0

@@ -174,7 +174,9 @@ def make_scheduler(
     """A scheduler side that has had every rank's handshake."""
     from vllm.worker.vineyard_connector_metadata import VineyardHandshake
 
-    sched = VineyardConnectorScheduler(config, BLOCK_SIZE, len(layouts))
+    sched = VineyardConnectorScheduler(
+        config, BLOCK_SIZE, config.chunk_tokens(BLOCK_SIZE), len(layouts)
+    )
     sched.set_handshakes(
         {rank: VineyardHandshake(layout) for rank, layout in enumerate(layouts)}
     )
