@@ -15,7 +15,8 @@ In each ``ROUND`` the ``prompts`` (token id lists) are generated greedily
 (``temperature=0, ignore_eos``, ``max_tokens``) in one ``LLM.generate`` call,
 or one call per prompt (``one_by_one``), or step by step with the cache's
 writer backends stopped until every request has its first token
-(``stop_writer_during_prefill``). Before the prompts, ``pause_s`` waits
+(``stop_writer_during_prefill``), all with one ``cache_salt`` if a round
+gives one. Before the prompts, ``pause_s`` waits
 (for background work such as a sweep), ``kill_backends``
 SIGKILLs every vineyard backend process below the engine and ``break_path``
 replaces that directory (the cache root) by a regular file. After each round
@@ -44,9 +45,10 @@ from typing import Any
 
 from vineyard_testing import engine_cpu
 
-#: vLLM block size and vineyard chunk size of every test engine.
+#: vLLM block size of every test engine, and the cache's chunk size: the
+#: default (``VINEYARD_CACHE_CHUNK_SIZE`` unset), one block.
 BLOCK_SIZE = 64
-CHUNK_SIZE = 256
+CHUNK_SIZE = BLOCK_SIZE
 VOCAB_SIZE = 32000
 METRIC_PREFIX = "vllm:vineyard_cache_"
 #: Modules that must stay unimported when the cache is off.
@@ -58,7 +60,7 @@ VINEYARD_MODULES = (
     "vllm.worker.vineyard_backend",
 )
 _BACKEND_SCRIPT = "vineyard_backend.py"
-_FLUSH_PROMPT = [7]  # shorter than a chunk: no lookup, no save
+_FLUSH_PROMPT = [7]  # shorter than a block: nothing to look up or save
 #: Longest orderly engine shutdown (drain timeout, 5 s by default, plus
 #: stopping the backends); beyond it the engine test fails.
 SHUTDOWN_BOUND_S = 30.0
@@ -146,7 +148,6 @@ def engine_env(
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND=str(engine_cpu()),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VINEYARD_CACHE_CHUNK_SIZE=str(CHUNK_SIZE),
         VINEYARD_CACHE_BACKEND_TIMEOUT_S="20",
         PYTHONUNBUFFERED="1",
     )
@@ -353,6 +354,7 @@ def run_engine(
                 "stop_writer_during_prefill": False,
                 "break_path": None,
                 "pause_s": 0.0,
+                "cache_salt": None,
                 **r,
             }
             for r in rounds
@@ -525,6 +527,9 @@ def _main(spec_path: str) -> None:
                 temperature=0, max_tokens=r["max_tokens"], ignore_eos=True
             )
             prompts = [TokensPrompt(prompt_token_ids=p) for p in r["prompts"]]
+            if r["cache_salt"] is not None:
+                for prompt in prompts:
+                    prompt["cache_salt"] = r["cache_salt"]
             start = time.perf_counter()
             writer_stopped_s = 0.0
             if r["stop_writer_during_prefill"]:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Draws the engine benchmark's results (``benchmark_engine.py --json``):
-no-hit throughput vs no cache, and the cached-TTFT speedup, per model and
-configuration. Optionally the core benchmark's GB/s beside them.
+no-hit throughput vs no cache per model and configuration, and the
+cached-TTFT speedup over the spread of prompt lengths. Optionally the core
+benchmark's GB/s beside them.
 
     python benchmarks/vineyard/plot.py ENGINE.json OUT.png [--core CORE.json]
 """
@@ -43,16 +44,16 @@ def plot(engine: dict[str, Any], path: str, core: dict[str, Any] | None = None) 
     ax.legend(fontsize=7, loc="lower right")
 
     ax = axes[1]
-    ttft_cfgs = ["sync", "async", "peer"]
-    for i, cfg in enumerate(ttft_cfgs):
-        values = [m["ttft"]["configs"][cfg]["speedup"] for m in models]
-        xs = [j + (i - 1) * width for j in range(len(models))]
-        bars = ax.bar(xs, values, width, label=cfg, color=COLORS[cfg])
-        ax.bar_label(bars, fmt="%.1fx", fontsize=7)
-    ax.set_xticks(range(len(models)), [m["model"] for m in models])
+    styles = ["-", ":", "--"]
+    for m, style in zip(models, styles, strict=False):
+        rows = m["ttft"]["rows"]
+        xs = [row["tokens"] for row in rows]
+        for cfg in ("async", "peer"):
+            ax.plot(xs, [row[cfg]["speedup"] for row in rows], style, marker="o",
+                    ms=3, color=COLORS[cfg], label=f"{cfg} ({m['model']})")  # fmt: skip
+    ax.set_xlabel("prompt tokens (cached on another engine)")
     ax.set_ylabel("TTFT speedup vs recompute")
-    prompt = models[0]["ttft"]["prompt_tokens"]
-    ax.set_title(f"Cached {prompt}-token prompt, fresh engine")
+    ax.set_title("Cached prompts over a spread of lengths")
     ax.legend(fontsize=7)
 
     if core:

@@ -137,7 +137,7 @@ def test_lookup_leaves_one_token_to_compute(small_cache: CacheHarness):
     last chunk is used in part (one block plus the required token is
     recomputed, not a whole chunk)."""
     h = small_cache
-    assert CHUNK_SIZE > h.block_size  # the last chunk is split
+    assert h.block_size < CHUNK_SIZE  # the last chunk is split
     tokens = make_tokens(CACHED)  # exactly whole chunks
     h.save_tokens(tokens, SRC_BLOCK, num_computed=CACHED)
     assert h.counters()["tokens_written"] == CACHED

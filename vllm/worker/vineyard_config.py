@@ -101,7 +101,9 @@ def _chunk_size() -> tuple[Parser, str]:
         try:
             return int(parse_int(name, raw))
         except ValueError:
-            raise ValueError(f"{name}={raw!r} is not valid; allowed: {allowed}") from None
+            raise ValueError(
+                f"{name}={raw!r} is not valid; allowed: {allowed}"
+            ) from None
 
     return parse, allowed
 
@@ -217,9 +219,7 @@ class VineyardLLMCacheConfig:
     )
     #: Where each value came from (the key the user wrote), for errors
     #: found after parsing; settings not listed came from the environment.
-    sources: Mapping[str, str] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.min_inflight_tasks > self.max_inflight_tasks:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from vineyard_engine_testing import (
     BLOCK_SIZE,
-    CHUNK_SIZE,
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,
@@ -42,7 +41,7 @@ def prompts() -> dict[str, list[int]]:
         "shared_a": base + random_tokens(rng, 1000),
         "shared_b": base + random_tokens(rng, 1100),
         "other": random_tokens(rng, 3000),
-        # Shares 1400 tokens (5.47 chunks, 21.9 blocks) with the others.
+        # Shares 1400 tokens (21.9 blocks) with the others.
         "partial": base[:1400] + random_tokens(rng, 1700),
     }
 
@@ -105,23 +104,23 @@ def test_first_instance_saves_every_whole_chunk(
     assert a.last.counter("updates_completed") == a.last.counter("updates_submitted")
 
 
-def test_second_instance_loads_whole_chunks(
+def test_second_instance_loads_to_the_block(
     instances: tuple[EngineRun, EngineRun], prompts: dict[str, list[int]]
 ) -> None:
     _, b = instances
     # B's first request has no local prefix cache to hit: all it gets is
-    # external, and only the whole chunks of the common prefix (block
-    # granularity would give more).
+    # external: every complete block of the prefix it shares with what A
+    # computed.
     common = common_prefix(prompts["partial"], prompts["shared_a"])
-    expected = whole_chunks(common)
-    assert expected % CHUNK_SIZE == 0 and common // BLOCK_SIZE * BLOCK_SIZE > expected
+    expected = common // BLOCK_SIZE * BLOCK_SIZE
+    assert 0 < expected < cacheable_prefix(len(prompts["partial"]))
     assert b.rounds[0].num_cached_tokens == [expected]
     assert b.delta(0, "hit_tokens") == expected
     assert b.delta(0, "loaded_tokens") == expected
     assert b.delta(0, "vllm:external_prefix_cache_hits") == expected
 
-    # Then every prompt A computed is cached up to its last whole chunk
-    # (one token is always left to compute).
+    # Then every prompt A computed is cached up to its last whole block
+    # before the token vLLM must compute.
     assert b.rounds[1].num_cached_tokens == [
         cacheable_prefix(len(prompts[name])) for name in FIRST
     ]

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 from vineyard_engine_testing import (
-    CHUNK_SIZE,
     EngineRun,
     ReferenceRunner,
     engine_env,
@@ -45,11 +44,11 @@ FS_BYTES = 4 * MiB
 @pytest.fixture(scope="module")
 def prompts() -> dict[str, list[list[int]]]:
     rng = random.Random(21)
-    base = random_tokens(rng, 3 * CHUNK_SIZE)
+    base = random_tokens(rng, 768)
     return {
         "fill": [random_tokens(rng, 1300) for _ in range(2)],
         "after": [random_tokens(rng, 1300)],
-        # Three prompts sharing a 3-chunk prefix, one more chunk each.
+        # Three prompts sharing a 768-token prefix, 300 more tokens each.
         "shared": [base + random_tokens(rng, 300) for _ in range(3)],
     }
 
