@@ -181,7 +181,9 @@ def engine(
         "VINEYARD_CACHE_ENABLE_ASYNC_UPDATE": "0" if cfg == "sync" else "1",
     }
     llm_kwargs: dict[str, Any] = {
-        "max_model_len": max(ttft_lengths(plan)) + BLOCK_SIZE,
+        "max_model_len": max(*ttft_lengths(plan), plan.prompt_tokens[1])
+        + plan.max_tokens
+        + BLOCK_SIZE,
         "max_num_batched_tokens": plan.max_num_batched_tokens,
         "block_size": BLOCK_SIZE,
     }
@@ -271,7 +273,7 @@ def run_model(
             plan, model_path, cfg, roots[cfg] / "round0", ttft_rounds,
             work / f"{model}-{cfg}-fresh",
         )  # fmt: skip
-        hits = run.rounds[3:]  # after the cold prefill and the warm-up probe
+        hits = run.rounds[2:]  # after the cold prefill and the warm-up probe
         for row, hit in zip(rows, hits, strict=True):
             loaded = hit.num_cached_tokens[0]
             floor_s = one_block_s + loaded * kv_bytes / (readv * 1e9)

@@ -39,7 +39,7 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     model = make_toy_llama(str(tmp_path / "model"))
     prompt = random_tokens(random.Random(3), PROMPT_LEN)
     cached = cacheable_prefix(PROMPT_LEN)
-    assert cached == 768  # three whole 256-token chunks
+    assert cached == 896  # every block before the last token (14 of 64)
     rounds = [{"prompts": [prompt], "max_tokens": MAX_TOKENS}]
 
     plain = run_engine(

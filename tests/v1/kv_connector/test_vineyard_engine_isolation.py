@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from vineyard_engine_testing import (
+    BLOCK_SIZE,
     EngineRun,
     ModelFactory,
     cacheable_prefix,
@@ -86,12 +87,13 @@ def test_other_model_never_loads_first_models_kv(
     # writes were all reported first); of shared_b only the prefix it shares
     # with shared_a.
     assert run.rounds[0].settled
+    block = kwargs.get("block_size", BLOCK_SIZE)  # and the chunk: one block
     assert run.rounds[1].num_cached_tokens == [
-        cacheable_prefix(len(shared_a)),
-        cacheable_prefix(len(other)),
+        cacheable_prefix(len(shared_a), block),
+        cacheable_prefix(len(other), block),
     ]
     assert run.rounds[2].num_cached_tokens == [
-        whole_chunks(common_prefix(shared_a, shared_b))
+        whole_chunks(common_prefix(shared_a, shared_b), block)
     ]
     for i in (1, 2):
         assert run.delta(i, "loaded_tokens") == sum(run.rounds[i].num_cached_tokens)
