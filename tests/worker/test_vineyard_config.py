@@ -144,6 +144,16 @@ CASES: dict[str, EnvCase] = {
         (("2.5", 2.5),),
         (("slow", "(0, inf]"), ("0", "(0, inf]"), ("-1", "(0, inf]")),
     ),
+    "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": EnvCase(
+        "lookup_timeout_s",
+        (("0.5", 0.5), ("600", 600.0)),
+        (
+            ("soon", "(0, 600]"),
+            ("0", "(0, 600]"),
+            ("601", "(0, 600]"),
+            ("nan", "(0, 600]"),
+        ),
+    ),
     "VINEYARD_CACHE_DRAIN_TIMEOUT_S": EnvCase(
         "drain_timeout_s",
         (("0", 0.0), ("7.5", 7.5)),

@@ -600,6 +600,19 @@ class BackendProcess:
                 raise self._fail_locked(e) from e
             self._in_flight = request[0]
 
+    def ready(self) -> bool:
+        """Whether :meth:`receive` would return (or fail) without waiting:
+        the answer to the request sent last has arrived, or there is none
+        to wait for."""
+        with self._lock:
+            conn = self._conn
+            if self._in_flight is None or conn is None:
+                return True
+            try:
+                return conn.poll(0)
+            except (EOFError, OSError):
+                return True  # receive() reports it
+
     def receive(self, timeout_s: float | None = None) -> Any:
         """The answer to the request sent last."""
         timeout = self._timeout_s if timeout_s is None else timeout_s

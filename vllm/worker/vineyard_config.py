@@ -211,6 +211,13 @@ class VineyardLLMCacheConfig:
         "the call counted as failed.",
         _POSITIVE,
     )
+    lookup_timeout_s: float = _setting(
+        "2",
+        "Longest a lookup (file metadata, in the background) may take before "
+        "the request is served as a miss; a hung filesystem costs hits, "
+        "never the engine's progress.",
+        _number(float, 0, False, 600),
+    )
     drain_timeout_s: float = _setting(
         "5",
         "At shutdown, how long pending updates may still be written before "

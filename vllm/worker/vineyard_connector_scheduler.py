@@ -3,8 +3,11 @@
 """The scheduler side of ``VineyardConnector`` (EngineCore process).
 
 It asks the cache how many more prompt tokens are cached (by file metadata,
-reading no KV) and tells the workers, per step, which cached chunks to load
-into which blocks and which blocks each running request has now. Blocks are
+reading no KV, on background threads: the scheduler never waits on the
+filesystem) and tells the workers, per step, which cached blocks to load
+into which blocks and which blocks each running request has now. Loads are
+asynchronous: a request with a hit waits in ``WAITING_FOR_REMOTE_KVS``
+while others run, until its workers report the load finished. Blocks are
 named by chained digests of their token ids (and ``cache_salt``), computed
 here once and sent to the workers as deltas.
 """
@@ -23,7 +26,7 @@ from vllm.worker.vineyard_connector_metadata import (
     VineyardConnectorMetadata,
     VineyardHandshake,
 )
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
 from vllm.worker.vineyard_store import extend_digests
 
@@ -31,7 +34,9 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata,
     )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -56,8 +61,22 @@ class _RequestState:
     digests_sent: int = 0
     save_from: int = 0
     num_local_tokens: int = 0  # vLLM's own prefix-cache hit
-    load: tuple[int, int] | None = None
+    load: tuple[int, int] | None = None  # to send: load tokens [start, end)
+    load_blocks: list[int] = field(default_factory=list)
+    loading: tuple[int, int] | None = None  # sent, not reported finished
+    # A load of this request came up short here: later lookups stop there
+    # (vLLM asks again after a failed load; the same promise would fail).
+    max_hit: int = NEVER
     blocks_replaced: bool = True  # the next delta carries the full block list
+
+    def take_digests(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """The digests of the first ``num_tokens`` tokens' complete blocks
+        that were not sent to the workers yet (marked sent)."""
+        num_tokens = min(num_tokens, self.request.num_tokens)
+        digests = self.digests_up_to(num_tokens, block_size)
+        new = digests[self.digests_sent : num_tokens // block_size]
+        self.digests_sent += len(new)
+        return new
 
     def digests_up_to(self, num_tokens: int, block_size: int) -> list[bytes]:
         """The digests of the complete blocks among the first
@@ -84,7 +103,7 @@ class VineyardConnectorScheduler:
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._tp_size = tp_size
-        self._lookup: VineyardCacheLookup | None = None
+        self._lookup: BackgroundLookups | None = None
         self._requests: dict[str, _RequestState] = {}
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
 
@@ -107,11 +126,15 @@ class VineyardConnectorScheduler:
         for _, handshake in sorted(metadata.items()):
             assert isinstance(handshake, VineyardHandshake)
             layouts.append(handshake.layout)
-        self._lookup = VineyardCacheLookup(self.config, layouts)
+        self._lookup = BackgroundLookups(
+            VineyardCacheLookup(self.config, layouts), self.config.lookup_timeout_s
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """``(tokens to load, True)``: loads are asynchronous; ``(None,
+        False)`` while the lookup is pending."""
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestState(request)
@@ -121,19 +144,45 @@ class VineyardConnectorScheduler:
             state.save_from = NEVER
             return 0, False
         digests = state.digests_up_to(request.num_tokens, self.block_size)
-        num_hit, save_from = self._lookup.lookup(
-            digests, num_computed_tokens, request.num_tokens
+        found = self._lookup.lookup(
+            request.request_id, digests, num_computed_tokens, request.num_tokens
         )
+        if found is None:
+            return None, False  # ask again next step
+        num_hit, save_from = found
         if state.digests_sent == 0:
             state.save_from = save_from
-        return num_hit, False
+        num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
+        return num_hit, num_hit > 0
 
-    def update_state_after_alloc(self, request: Request, num_external: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external: int
+    ) -> None:
         state = self._requests.get(request.request_id)
         if state is None or num_external == 0:
             return
         start = state.num_local_tokens
         state.load = (start, start + num_external)
+        state.load_blocks = list(blocks.get_block_ids()[0])
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Learn which loads finished and which came up short: a request
+        whose load failed at block ``b`` is never promised more than ``b``
+        again (vLLM looks it up again after recomputing nothing)."""
+        bs = self.block_size
+        if output.invalid_block_ids:
+            for state in self._requests.values():
+                if state.loading is None:
+                    continue
+                start, end = state.loading
+                for b in range(start // bs, end // bs):
+                    if state.load_blocks[b] in output.invalid_block_ids:
+                        state.max_hit = min(state.max_hit, b * bs)
+                        break
+        for req_id in output.finished_recving or ():
+            finished = self._requests.get(req_id)
+            if finished is not None:
+                finished.loading = None
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
@@ -141,6 +190,7 @@ class VineyardConnectorScheduler:
         meta = VineyardConnectorMetadata()
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
+        self._lookup.begin_step()
         new_blocks: dict[str, tuple[list[int], bool]] = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             new_blocks[new_req.req_id] = (list(new_req.block_ids[0]), True)
@@ -159,28 +209,44 @@ class VineyardConnectorScheduler:
             request = state.request
             num_computed = request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
-            # The digests of completed chunks, and of every chunk a load
-            # reads (a load that ends inside a chunk reads all of it).
+            # The digests of completed chunks.
             needed = num_computed // chunk * chunk
-            if state.load is not None:
-                needed = max(needed, -(-state.load[1] // chunk) * chunk)
-            digests = state.digests_up_to(min(needed, request.num_tokens), bs)
-            new_digests = digests[state.digests_sent : needed // bs]
-            state.digests_sent += len(new_digests)
             meta.requests.append(
                 RequestDelta(
                     req_id=req_id,
-                    new_digests=new_digests,
+                    new_digests=state.take_digests(needed, bs),
                     block_ids=blocks,
                     replace_blocks=replace or state.blocks_replaced,
                     num_computed_tokens=num_computed,
                     save_from=state.save_from,
+                )
+            )
+            state.blocks_replaced = False
+        for req_id, state in self._requests.items():
+            if state.load is None:
+                continue
+            # Allocated this step, waiting for its KV: the workers load it
+            # (every chunk a load reads, a chunk it ends inside included).
+            start, end = state.load
+            meta.requests.append(
+                RequestDelta(
+                    req_id=req_id,
+                    new_digests=state.take_digests(-(-end // chunk) * chunk, bs),
+                    block_ids=state.load_blocks,
+                    replace_blocks=True,
+                    num_computed_tokens=start,
+                    save_from=state.save_from,
                     load=state.load,
                 )
             )
-            state.load = None
-            state.blocks_replaced = False
+            state.loading, state.load = state.load, None
         return meta
 
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
+        if self._lookup is not None:
+            self._lookup.forget(request.request_id)
+
+    def shutdown(self) -> None:
+        if self._lookup is not None:
+            self._lookup.close()

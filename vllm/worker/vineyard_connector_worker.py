@@ -2,10 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The worker side of ``VineyardConnector`` (one per TP rank).
 
-Before the forward pass it loads the chunks the scheduler found cached
-(:meth:`start_load_kv`); after it (:meth:`wait_for_save`) it stages the
-newly completed chunks into a pool buffer and returns at once while the
-backend writes them.
+Loads are asynchronous: :meth:`start_load_kv` hands the reads of the blocks
+the scheduler found cached to the reader backend and returns; each step
+collects the reads that arrived, copies them into place and reports the
+finished loads (:meth:`get_finished`) and the blocks that could not be
+loaded (:meth:`take_load_errors`), while the requests wait in vLLM's
+``WAITING_FOR_REMOTE_KVS``. After the forward pass (:meth:`wait_for_save`)
+it stages the newly completed chunks into a pool buffer and returns at once
+while the backend writes them. No step runs a collective: a rank that
+skips a save resumes it later, and lookups take the minimum across ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.logger import init_logger
 
@@ -61,13 +65,10 @@ class VineyardConnectorWorker:
         self.cache: VineyardLLMCache | None = None
         self._requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
-        self._short_loads: set[str] = set()
-        self._tp_world_size = 1
         self.start_failures = 0  # not yet reported in the stats
 
     def register_kv_caches(self, tensors: list[torch.Tensor]) -> None:
         tp_group = get_tp_group()
-        self._tp_world_size = tp_group.world_size
         layout = self._layout_of(
             tensors[0].dtype,
             kv_layout_name(tensors[0]),
@@ -106,35 +107,17 @@ class VineyardConnectorWorker:
             return
         self._update_requests(meta)
         for delta in meta.requests:
-            if delta.load is None:
-                continue
-            start, end = delta.load
-            state = self._requests[delta.req_id]
-            loaded = self.cache.load(state.digests, start, end, state.block_ids)
-            if loaded < end:
-                bs = self.cache.layout.block_size
-                self._load_errors.update(state.block_ids[loaded // bs : end // bs])
-                # vLLM discards this step for the request and recomputes
-                # from ``loaded``: its KV after that is not right until then.
-                self._short_loads.add(delta.req_id)
-                self.cache.resume_from(delta.req_id, loaded)
+            if delta.load is not None:
+                state = self._requests[delta.req_id]
+                start, end = delta.load
+                self.cache.start_load(
+                    delta.req_id, state.digests, start, end, state.block_ids
+                )
+        self.cache.poll_loads()
 
     def wait_for_save(self, meta: VineyardConnectorMetadata) -> None:
-        if not meta.requests:  # the same on every rank
+        if self.cache is None or not meta.requests:
             return
-        may_save = self.cache is not None and self.cache.can_save()
-        if self._tp_world_size > 1:
-            # Ranks store shards of the same chunks: they save or skip
-            # together, so no rank holds chunks that its peers lack.
-            flag = torch.tensor([int(may_save)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
-            may_save = bool(flag.item())
-        if self.cache is None:
-            return
-        # A request whose load came up short attended to blocks that were
-        # never filled: nothing of this step is saved for it (later steps
-        # save what vLLM recomputes).
-        short, self._short_loads = self._short_loads, set()
         saves = [
             SaveRequest(
                 req_id=delta.req_id,
@@ -144,15 +127,32 @@ class VineyardConnectorWorker:
                 save_from=delta.save_from,
             )
             for delta in meta.requests
-            if delta.req_id not in short
+            # A request waiting for its load has nothing new computed.
+            if not self.cache.loading(delta.req_id)
         ]
-        self.cache.save(saves, may_take_buffer=may_save)
+        self.cache.save(saves)
 
-    def get_finished(self, finished_req_ids: set[str]) -> None:
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """The requests whose loads finished (loaded, short or cancelled)
+        since the last call; forgets the requests vLLM finished."""
+        finished_loading: set[str] = set()
+        if self.cache is not None:
+            for req_id in finished_req_ids:
+                self.cache.cancel_load(req_id)  # aborted while loading
+            self.cache.poll_loads()
+            bs = self.cache.layout.block_size
+            for req_id, loaded, end in self.cache.take_finished_loads():
+                finished_loading.add(req_id)
+                state = self._requests.get(req_id)
+                if loaded < end and state is not None:
+                    # vLLM recomputes from the first of these blocks.
+                    self._load_errors.update(state.block_ids[loaded // bs : end // bs])
+                    self.cache.resume_from(req_id, loaded)
         for req_id in finished_req_ids:
             self._requests.pop(req_id, None)
             if self.cache is not None:
                 self.cache.release(req_id)
+        return finished_loading
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

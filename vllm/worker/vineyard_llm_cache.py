@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import mmap
 import os
 import queue
@@ -327,6 +328,24 @@ class _AsyncUpdater:
 
 
 @dataclass
+class _LoadJob:
+    """One request's load: which blocks to read (in segments of whole
+    chunks) and to fill, and how far it got."""
+
+    req_id: str
+    ids: list[int]  # vineyard ids of every block read
+    digests: list[bytes]
+    block_ids: list[int]  # the request's KV blocks from token 0
+    start: int  # first block to fill
+    last: int  # end of the blocks to fill
+    segments: list[tuple[int, int]]  # block ranges read per query
+    next_segment: int = 0
+    loaded: int = 0  # end of the blocks filled so far
+    cancelled: bool = False
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
 class SaveRequest:
     """One running request as the connector sees it after a forward pass."""
 
@@ -421,6 +440,14 @@ class VineyardLLMCache:
             self._write_memory, min(config.min_inflight_tasks, num_buffers), num_buffers
         )
         self._read_events: list[torch.cuda.Event | None] = [None, None]
+        self._next_read_buffer = 0
+        # Loads by request, in the order their reads go out; the one read in
+        # flight: (load, segment, buffer, sent at).
+        self._loads: dict[str, _LoadJob] = {}
+        self._load_queue: collections.deque[_LoadJob] = collections.deque()
+        self._in_flight: tuple[_LoadJob, int, int, float] | None = None
+        self._finished_loads: list[tuple[str, int, int]] = []
+        self._blocking_loads = itertools.count()
         bpc = layout.blocks_per_chunk
         self._load_segment_blocks = max(bpc, self.max_blocks // 4 // bpc * bpc)
         self._reader: BackendProcess | None = None
@@ -481,8 +508,8 @@ class VineyardLLMCache:
             if backend.restarts != restarts:
                 self.metrics.add("backend_restarts", backend.restarts - restarts)
 
-    def _receive(self, backend: BackendProcess) -> Any:
-        reply = backend.receive()
+    def _receive(self, backend: BackendProcess, timeout_s: float | None = None) -> Any:
+        reply = backend.receive(timeout_s)
         if isinstance(reply, dict):
             self.metrics.record(reply.pop("stats", {}))
         return reply
@@ -514,16 +541,19 @@ class VineyardLLMCache:
 
     # ---- loads -------------------------------------------------------------
 
-    def load(
+    def start_load(
         self,
+        req_id: str,
         digests: Sequence[bytes],
         start: int,
         end: int,
         block_ids: Sequence[int],
-    ) -> int:
-        """Copy the cached KV of tokens ``[start, end)`` into the request's
-        blocks (``digests`` and ``block_ids`` cover the request from token 0,
-        ``digests`` up to the end of the chunk that holds ``end``).
+    ) -> None:
+        """Begin loading the cached KV of tokens ``[start, end)`` into the
+        request's blocks (``digests`` and ``block_ids`` cover the request
+        from token 0, ``digests`` up to the end of the chunk that holds
+        ``end``); returns at once. :meth:`poll_loads` moves it on and
+        :meth:`take_finished_loads` reports it.
 
         ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks,
         from the chunk boundary at or before ``start`` to the one at or after
@@ -531,70 +561,169 @@ class VineyardLLMCache:
         before ``start`` (vLLM's own prefix-cache hit, maybe shared with
         running requests) and after ``end`` (not the request's to fill) are
         left alone. The reader verifies every entry before it is copied.
-        Returns the end of what was loaded; less than ``end`` means the rest
-        must be recomputed.
 
-        Segments of a quarter buffer (whole chunks) are read in turn; the
-        read of segment ``k + 1`` runs in the reader process while segment
-        ``k`` is copied into the KV blocks here, so a load costs about one
-        read plus one segment's copy, not a read plus a copy.
+        The reader backend reads segments of a quarter buffer (whole chunks)
+        in turn into two read buffers while the engine runs; the only work
+        on the caller's thread is the copy of verified blocks into place.
         """
         bs, bpc = self.layout.block_size, self.layout.blocks_per_chunk
         assert start % bs == 0 and end % bs == 0
-        assert self._reader is not None
-        if end <= start:
-            return start  # nothing to load
-        reader = self._reader
-        t0 = time.perf_counter()
         first, last = start // self.chunk_size * bpc, end // bs
         read_end = min(-(-last // bpc), len(digests) // bpc) * bpc
-        ids = synthetic_ids(digests[:read_end])
         step = self._load_segment_blocks
         segments = [(b, min(b + step, read_end)) for b in range(first, read_end, step)]
+        job = _LoadJob(
+            req_id=req_id,
+            ids=synthetic_ids(digests[:read_end]),
+            digests=list(digests[:read_end]),
+            block_ids=list(block_ids),
+            start=start // bs,
+            last=last,
+            segments=segments,
+        )
+        job.loaded = job.start
+        self._loads[req_id] = job
+        if segments:
+            self._load_queue.append(job)
+        else:
+            self._finish_load(job)  # nothing to read
 
-        def query(k: int) -> None:
-            s, e = segments[k]
-            event = self._read_events[k % 2]
+    def cancel_load(self, req_id: str) -> None:
+        """Stop a request's load (it was aborted): nothing more is written
+        into its blocks from now on, and it is reported finished."""
+        job = self._loads.get(req_id)
+        if job is not None:
+            job.cancelled = True
+            if self._in_flight is None or self._in_flight[0] is not job:
+                self._finish_load(job)
+
+    def loading(self, req_id: str) -> bool:
+        return req_id in self._loads
+
+    def take_finished_loads(self) -> list[tuple[str, int, int]]:
+        """``(req_id, loaded_end, promised_end)`` of loads finished since
+        the last call, in tokens; a load that was cancelled reports its
+        promised end (nothing of it is used)."""
+        done, self._finished_loads = self._finished_loads, []
+        return done
+
+    def poll_loads(self, wait: bool = False) -> None:
+        """Move loads on: collect the reader's answers that have arrived,
+        copy their verified blocks into place and send the next reads.
+        Never waits unless ``wait`` (then until every load is done)."""
+        assert self._reader is not None
+        reader = self._reader
+        while True:
+            if self._in_flight is None and not self._send_next_read():
+                return
+            assert self._in_flight is not None
+            job, k, buffer, sent_at = self._in_flight
+            ready = wait or reader.ready()
+            stuck = time.monotonic() - sent_at >= self.config.backend_timeout_s
+            if not (ready or stuck):
+                return
+            self._in_flight = None
+            try:
+                # A stuck reader is given up on at once (and restarted).
+                verified = self._receive(reader, None if ready else 0.0)["verified"]
+            except BackendError as e:
+                logger.warning("vineyard cache read failed, recomputing: %s", e)
+                self._finish_load(job)
+                continue
+            s, seg_end = job.segments[k]
+            more = (
+                s + verified == seg_end
+                and k + 1 < len(job.segments)
+                and not job.cancelled
+            )
+            if not more:
+                job.next_segment = len(job.segments)  # no more reads
+            # The next read (of this load or the next) overlaps this copy.
+            self._send_next_read()
+            if not job.cancelled:
+                skip, use = max(0, job.loaded - s), min(verified, job.last - s)
+                if use > skip:
+                    self._copy_in(buffer, skip, use, job.block_ids[s + skip : s + use])
+                    job.loaded = s + use
+            if not more:
+                self._finish_load(job)
+
+    def _send_next_read(self) -> bool:
+        """Send the next segment's read of the first unfinished load into
+        the next read buffer; whether one was sent."""
+        assert self._reader is not None
+        while self._load_queue:
+            job = self._load_queue[0]
+            k = job.next_segment
+            if job.cancelled or k >= len(job.segments):
+                # Every read sent: its last answer finishes it.
+                self._load_queue.popleft()
+                continue
+            s, e = job.segments[k]
+            buffer = self._next_read_buffer
+            event = self._read_events[buffer]
             if event is not None:
                 event.synchronize()  # the buffer's last copy is done
-            self._send(reader, "query", k % 2, ids[:s], ids[s:e], list(digests[s:e]))
+            try:
+                self._send(
+                    self._reader,
+                    "query",
+                    buffer,
+                    job.ids[:s],
+                    job.ids[s:e],
+                    job.digests[s:e],
+                )
+            except BackendError as e:
+                logger.warning("vineyard cache read failed, recomputing: %s", e)
+                self._load_queue.popleft()
+                self._finish_load(job)
+                continue
+            job.next_segment = k + 1  # sent; the answer decides what follows
+            self._next_read_buffer ^= 1
+            self._in_flight = (job, k, buffer, time.monotonic())
+            return True
+        return False
 
-        loaded = start // bs
-        in_flight = False
-        try:
-            if segments:
-                query(0)
-                in_flight = True
-            for k, (s, e) in enumerate(segments):
-                verified = self._receive(reader)["verified"]
-                in_flight = False
-                if s + verified == e and k + 1 < len(segments):
-                    query(k + 1)
-                    in_flight = True
-                skip, use = max(0, loaded - s), min(verified, last - s)
-                if use > skip:
-                    self._copy_in(k % 2, skip, use, block_ids[s + skip : s + use])
-                    loaded = s + use
-                if s + verified < e:
-                    break
-        except BackendError as e:
-            logger.warning("vineyard cache read failed, recomputing: %s", e)
-        finally:
-            if in_flight:  # an error between a send and its answer
-                with contextlib.suppress(BackendError):
-                    reader.receive()
-        loaded_tokens = loaded * bs
-        self.metrics.add("loaded_tokens", max(0, loaded_tokens - start))
-        if loaded_tokens < end:
-            self.metrics.add("load_errors")
-            logger.warning(
-                "vineyard cache returned %d of %d promised tokens; the rest "
-                "is recomputed",
-                max(0, loaded_tokens - start),
-                end - start,
-            )
-        self.metrics.observe("load_s", time.perf_counter() - t0)
-        return loaded_tokens
+    def _finish_load(self, job: _LoadJob) -> None:
+        if self._loads.pop(job.req_id, None) is None:
+            return  # already reported
+        with contextlib.suppress(ValueError):
+            self._load_queue.remove(job)
+        bs = self.layout.block_size
+        loaded, end = job.loaded * bs, job.last * bs
+        start = job.start * bs
+        if job.cancelled:
+            loaded = end
+        else:
+            self.metrics.add("loaded_tokens", max(0, loaded - start))
+            if loaded < end:
+                self.metrics.add("load_errors")
+                logger.warning(
+                    "vineyard cache returned %d of %d promised tokens; the "
+                    "rest is recomputed",
+                    max(0, loaded - start),
+                    end - start,
+                )
+        self.metrics.observe("load_s", time.perf_counter() - job.started_at)
+        self._finished_loads.append((job.req_id, loaded, end))
+
+    def load(
+        self,
+        digests: Sequence[bytes],
+        start: int,
+        end: int,
+        block_ids: Sequence[int],
+    ) -> int:
+        """:meth:`start_load` and wait for it; returns the end of what was
+        loaded (less than ``end``: the rest must be recomputed)."""
+        req_id = f"__blocking_load_{next(self._blocking_loads)}"
+        self.start_load(req_id, digests, start, end, block_ids)
+        self.poll_loads(wait=True)
+        results = self.take_finished_loads()
+        mine = [r for r in results if r[0] == req_id]
+        self._finished_loads.extend(r for r in results if r[0] != req_id)
+        assert mine, "a blocking load did not finish"
+        return mine[0][1]
 
     def _copy_in(
         self, buffer: int, first: int, end: int, block_ids: Sequence[int]

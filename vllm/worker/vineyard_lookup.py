@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import queue
 import re
+import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
@@ -22,6 +26,16 @@ from vllm.worker.vineyard_store import (
     ChunkFiles,
     synthetic_ids,
 )
+
+logger = logging.getLogger(__name__)
+
+#: Longest a scheduler step waits, over all its lookups, for lookups it
+#: started: on a fast disk a lookup is answered in the step that asked
+#: (no added step), on a slow or hung one the step goes on.
+STEP_WAIT_S = 0.005
+#: Most lookup threads stuck in the filesystem at once before lookups are
+#: answered as misses until one returns.
+MAX_STUCK_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -140,3 +154,132 @@ class VineyardCacheLookup:
         self.metrics.add("query_tokens", max(0, want_blocks * bs - num_local_tokens))
         self.metrics.add("hit_tokens", num_hit)
         return num_hit, cached * self.chunk_size
+
+
+@dataclass
+class _LookupJob:
+    digests: list[bytes]
+    num_local_tokens: int
+    num_tokens: int
+    submitted_at: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[int, int] = (0, 0)
+
+
+class BackgroundLookups:
+    """Runs :class:`VineyardCacheLookup` on background threads, so the
+    scheduler's thread never touches the filesystem.
+
+    :meth:`lookup` answers from a finished lookup, ``None`` while one is
+    pending ("ask again next step"), and a miss once a lookup is older than
+    ``timeout_s`` (counted as ``lookup_timeouts``). A ``stat`` that hangs
+    cannot be cancelled, so a thread stuck past the deadline is abandoned
+    and another takes over the queue: a hung filesystem costs hits, never
+    the engine's progress.
+    """
+
+    def __init__(self, lookup: VineyardCacheLookup, timeout_s: float):
+        self._lookup = lookup
+        self.metrics = lookup.metrics
+        self._timeout_s = timeout_s
+        self._jobs: dict[str, _LookupJob] = {}
+        self._queue: queue.SimpleQueue[_LookupJob | None] = queue.SimpleQueue()
+        self._busy: dict[threading.Thread, _LookupJob | None] = {}
+        self._abandoned: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._wait_left = STEP_WAIT_S
+        self._closed = False
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._run, name="vineyard-cache-lookup", daemon=True
+        )
+        with self._lock:
+            self._busy[thread] = None
+        thread.start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self._busy[me] = job
+            try:
+                job.result = self._lookup.lookup(
+                    job.digests, job.num_local_tokens, job.num_tokens
+                )
+            except Exception as e:  # noqa: BLE001 - a miss, never a crash
+                logger.warning("vineyard cache lookup failed: %s", e)
+            job.done.set()
+            with self._lock:
+                self._busy[me] = None
+
+    def _replace_stuck_threads(self, now: float) -> None:
+        """Abandon threads stuck in one lookup past the deadline (they
+        exit when the filesystem answers) and start others."""
+        with self._lock:
+            stuck = [
+                t
+                for t, job in self._busy.items()
+                if job is not None and now - job.submitted_at > self._timeout_s
+            ]
+            for thread in stuck:
+                del self._busy[thread]
+            working = len(self._busy)
+        self._abandoned = [t for t in self._abandoned + stuck if t.is_alive()]
+        if stuck and working == 0 and len(self._abandoned) <= MAX_STUCK_THREADS:
+            logger.warning(
+                "vineyard cache lookup stuck for more than %.1f s (a hung "
+                "filesystem?); lookups go on in a new thread",
+                self._timeout_s,
+            )
+            self._start_thread()
+
+    def begin_step(self) -> None:
+        """A new scheduler step: its share of waiting for lookups."""
+        self._wait_left = STEP_WAIT_S
+        self._replace_stuck_threads(time.monotonic())
+
+    def lookup(
+        self,
+        req_id: str,
+        digests: Sequence[bytes],
+        num_local_tokens: int,
+        num_tokens: int,
+    ) -> tuple[int, int] | None:
+        """``(num_hit_tokens, save_from)`` of the request's lookup (see
+        :meth:`VineyardCacheLookup.lookup`), or ``None`` while pending."""
+        job = self._jobs.get(req_id)
+        if job is None or (job.num_local_tokens, job.num_tokens) != (
+            num_local_tokens,
+            num_tokens,
+        ):
+            job = _LookupJob(list(digests), num_local_tokens, num_tokens)
+            self._jobs[req_id] = job
+            self._queue.put(job)
+        if not job.done.is_set() and self._wait_left > 0:
+            start = time.monotonic()
+            job.done.wait(self._wait_left)
+            self._wait_left -= time.monotonic() - start
+        if job.done.is_set():
+            del self._jobs[req_id]
+            return job.result
+        if time.monotonic() - job.submitted_at > self._timeout_s:
+            del self._jobs[req_id]
+            self.metrics.add("lookup_timeouts")
+            return 0, 0
+        return None
+
+    def forget(self, req_id: str) -> None:
+        self._jobs.pop(req_id, None)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with self._lock:
+                count = len(self._busy)
+            for _ in range(count):
+                self._queue.put(None)

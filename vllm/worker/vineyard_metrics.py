@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "query_tokens": "Tokens looked up in vineyard beyond the local prefix cache.",
     "hit_tokens": "Looked-up tokens found in vineyard.",
     "lookup_stats": "File metadata calls (stat) made by lookups.",
+    "lookup_timeouts": "Lookups answered as a miss because the filesystem took "
+    "longer than the lookup timeout.",
     "loaded_tokens": "Tokens whose KV was loaded from vineyard (verified).",
     "load_errors": "Loads that failed or returned less than the lookup promised.",
     "corrupt_chunks": "Chunks that failed verification (or could not be read) "

@@ -21,6 +21,7 @@ from vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
+    Allocated,
     Step,
     WorkerHarness,
     admit,
@@ -167,14 +168,17 @@ def test_lookup_loads_and_saves_from_cached_chunks(
     req = make_request("hit", prompt)
     assert admit(sched, req, num_local_tokens=CHUNK_SIZE) == 2 * CHUNK_SIZE
     rest = req.num_tokens - 3 * CHUNK_SIZE
-    delta = only(
-        run_step(
-            sched, Step(new=[(req, list(range(num_blocks_for(req.num_tokens))), rest)])
-        )
+    step = Step(new=[(req, list(range(num_blocks_for(req.num_tokens))), rest)])
+    delta = only(run_step(sched, step))
+    (load,) = step.loads
+    assert load.load == (CHUNK_SIZE, 3 * CHUNK_SIZE)
+    assert load.save_from == delta.save_from == 3 * CHUNK_SIZE
+    assert load.new_digests == digests(prompt)[: 3 * BLOCKS_PER_CHUNK]
+    assert delta.load is None
+    assert (
+        delta.new_digests
+        == digests(prompt)[3 * BLOCKS_PER_CHUNK : 5 * BLOCKS_PER_CHUNK]
     )
-    assert delta.load == (CHUNK_SIZE, 3 * CHUNK_SIZE)
-    assert delta.save_from == 3 * CHUNK_SIZE
-    assert delta.new_digests == digests(prompt)[: 5 * BLOCKS_PER_CHUNK]
     # The load is sent once.
     assert only(run_step(sched, Step(running=[(req, [], 1)]))).load is None
 
@@ -212,10 +216,12 @@ def test_at_least_one_token_is_computed(
     source = [worker.block(b) for b in range(3 * BLOCKS_PER_CHUNK)]
     dst = list(range(40, 40 + 3 * BLOCKS_PER_CHUNK))
     last_before = worker.block(dst[-1])
-    delta = only(run_step(sched, Step(new=[(req, dst, BLOCK_SIZE)]), [worker]))
-    assert delta.load == (0, hit)
-    assert delta.new_digests == digests(prompt)[: 3 * BLOCKS_PER_CHUNK]
-    assert worker.worker.take_load_errors() == set()
+    step = Step(new=[(req, dst, BLOCK_SIZE)])
+    run_step(sched, step, [worker])
+    (load,) = step.loads
+    assert load.load == (0, hit)
+    assert load.new_digests == digests(prompt)[: 3 * BLOCKS_PER_CHUNK]
+    assert step.load_errors == set()
     for b, src in zip(dst[:-1], source, strict=False):
         assert torch.equal(worker.block(b), src)
     # The last block is the step's to compute, not the load's.
@@ -264,7 +270,7 @@ def test_uncacheable_requests_are_never_cached(
     req: Request = make(prompt)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched._requests[req.request_id].save_from == NEVER
-    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, Allocated([]), 0)
     plain = make_request("plain", prompt)
     assert admit(sched, plain) == 3 * CHUNK_SIZE
     n = req.num_tokens
@@ -346,9 +352,9 @@ def test_tp_lookup_is_the_minimum_across_ranks(
     sched = make_scheduler(config, layouts)
     req = make_request("tp", prompt)
     assert admit(sched, req) == expect
-    delta = only(run_step(sched, Step(new=[(req, list(range(11)), 1)])))
-    assert delta.save_from == expect
-    assert delta.load == ((0, expect) if expect else None)
+    step = Step(new=[(req, list(range(11)), 1)])
+    assert only(run_step(sched, step)).save_from == expect
+    assert [d.load for d in step.loads] == ([(0, expect)] if expect else [])
 
 
 def test_missing_rank_handshake_turns_the_cache_off(

@@ -19,6 +19,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
+    Allocated,
     Step,
     WorkerHarness,
     admit,
@@ -39,16 +41,9 @@ from vineyard_connector_testing import (
     run_step,
     tp_workers,
 )
-from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_metrics import (
-    COUNTERS,
-    GAUGES,
-    HISTOGRAMS,
-    VineyardConnectorStats,
-)
 from vllm.worker.vineyard_store import extend_digests, synthetic_ids
 
 pytestmark = pytest.mark.timeout(180)
@@ -134,10 +129,12 @@ def test_short_load_reports_exactly_the_unloaded_blocks(
     DAMAGE[damage](path)
     before = worker.cache.metrics.snapshot()
     blocks = list(range(40, 49))
-    run_step(sched, Step(new=[(req, blocks, 3)]), [worker])
+    step = Step(new=[(req, blocks, 3)])
+    run_step(sched, step, [worker])
 
-    assert worker.worker.take_load_errors() == set(blocks[4:8])
+    assert step.load_errors == set(blocks[4:8])
     assert worker.worker.take_load_errors() == set()  # reported once
+    assert req.num_computed_tokens == 2 * CHUNK_SIZE + 3  # from the failed block
     assert torch.equal(worker.kv[:, 40:44], expected)
     after = worker.cache.metrics.snapshot()
     assert after["loaded_tokens"] - before["loaded_tokens"] == 2 * CHUNK_SIZE
@@ -148,13 +145,12 @@ def test_short_load_reports_exactly_the_unloaded_blocks(
     assert admit(make_scheduler(config, [worker.layout]), req) == 2 * CHUNK_SIZE
 
 
-def test_no_save_from_a_step_whose_load_came_up_short(tmp_path: Path) -> None:
+def test_a_stalled_load_is_recomputed_and_saved(tmp_path: Path) -> None:
     """A transient read failure (the reader stalls past its timeout) while
-    every chunk is on disk: the load is short, and the step's forward pass
-    attended to blocks that were never filled, so the chunks it completes
-    must NOT be saved (vineyard would accept them: their prefix is on
-    disk). Once vLLM has recomputed from the failed block (it rolls the
-    request back), the worker saves those chunks."""
+    every chunk is on disk: the load comes up short and is reported before
+    the request runs, so no forward pass ever attends to blocks the load
+    did not fill; vLLM computes from the failed block, and the worker saves
+    what it computes (vineyard keeps the chunks it already has)."""
     config = make_config(tmp_path, backend_timeout_s=2.0)
     w = make_worker(config, make_layout())
     try:
@@ -168,20 +164,18 @@ def test_no_save_from_a_step_whose_load_came_up_short(tmp_path: Path) -> None:
 
         os.kill(w.pid("read"), signal.SIGSTOP)
         blocks = list(range(10, 10 + 6 * BLOCKS_PER_CHUNK + 1))
-        run_step(sched, Step(new=[(req, blocks, 2 * CHUNK_SIZE + 3)]), [w])
-        assert w.worker.take_load_errors() == set(blocks[: 4 * BLOCKS_PER_CHUNK])
-        w.wait_for_writes()
-        assert not os.path.exists(tail)
-        assert w.cache.metrics.snapshot()["tokens_written"] == written
-
-        req.num_computed_tokens = 0  # vLLM's rollback to the failed block
-        run_step(sched, Step(running=[(req, [], 6 * CHUNK_SIZE + 3)]), [w])
+        step = Step(new=[(req, blocks, 6 * CHUNK_SIZE + 3)])
+        run_step(sched, step, [w])
+        assert step.load_errors == set(blocks[: 4 * BLOCKS_PER_CHUNK])
+        assert w.cache.metrics.snapshot()["load_errors"] == 1
         w.wait_for_writes()
         # A buffer holds one step's worth of chunks: the rest goes next step.
         run_step(sched, Step(running=[(req, [], 1)]), [w])
         w.wait_for_writes()
         assert os.path.exists(tail)
         assert w.cache.metrics.snapshot()["tokens_written"] > written
+        # The failed promise is not made again to this request.
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
         w.close()
 
@@ -286,9 +280,9 @@ def test_one_rank_write_failure_is_retried(
 
 def test_close_during_a_load(tmp_path: Path) -> None:
     """``close()`` while a load waits on a stalled reader (stopped with
-    SIGSTOP, timeout far away): the load returns at once with nothing
-    loaded (its blocks then count as load errors) instead of waiting for
-    the backend timeout, and close does not hang."""
+    SIGSTOP, timeout far away): it returns at once, and the load is then
+    reported finished with nothing loaded (its blocks count as load errors)
+    instead of after the backend timeout."""
     config = make_config(tmp_path / "root", backend_timeout_s=300.0)
     w = make_worker(config, make_layout())
     try:
@@ -297,83 +291,23 @@ def test_close_during_a_load(tmp_path: Path) -> None:
         sched = make_scheduler(config, [w.layout])
         req = make_request("closing", prompt)
         assert admit(sched, req) == 2 * CHUNK_SIZE
-        meta = sched.build_connector_meta(
-            Step(new=[(req, [10, 11, 12, 13, 14], 1)]).output()
-        )
+        blocks: Any = Allocated([10, 11, 12, 13, 14])
+        sched.update_state_after_alloc(req, blocks, 2 * CHUNK_SIZE)
+        meta = sched.build_connector_meta(Step().output())
         untouched = w.kv[:, 10:14].clone()
         os.kill(w.pid("read"), signal.SIGSTOP)
-        loader = threading.Thread(target=w.worker.start_load_kv, args=(meta,))
-        loader.start()
-        # The load is waiting for the stopped reader's answer.
-        assert wait_until(lambda: w.cache._reader._in_flight == "query", 30)
+        w.worker.start_load_kv(meta)  # returns at once
+        assert w.cache._reader is not None
+        assert w.cache._reader._in_flight == "query"
+        assert w.worker.get_finished(set()) == set()  # still loading
         closer = threading.Thread(target=w.worker.shutdown)
         closer.start()
         # Bounds for "does not hang" only: the reader would answer in 300 s.
-        loader.join(60)
         closer.join(60)
-        assert not loader.is_alive() and not closer.is_alive()
+        assert not closer.is_alive()
+        assert w.worker.get_finished(set()) == {req.request_id}
         assert w.worker.take_load_errors() == {10, 11, 12, 13}
         assert torch.equal(w.kv[:, 10:14], untouched)
         assert w.cache.metrics.snapshot()["load_errors"] == 1
     finally:
         w.close()
-
-
-# ---- stats across ranks -----------------------------------------------------
-
-
-def test_stats_aggregate_and_reduce_across_ranks() -> None:
-    """vLLM aggregates each rank's (and step's) stats into one: counters
-    are summed, gauges keep the largest (every rank's writer samples the
-    same root), timings are concatenated; ``reduce`` shows the non-zero
-    counters, the hit rate, the gauges and average times."""
-    rank0 = VineyardConnectorStats(
-        data={
-            "query_tokens": 1000,
-            "hit_tokens": 250,
-            "tokens_written": 512,
-            "root_bytes": 4096,
-            "root_chunks": 3,
-            "load_s": [0.010, 0.020],
-        }
-    )
-    rank1 = VineyardConnectorStats(
-        data={
-            "query_tokens": 1000,
-            "hit_tokens": 500,
-            "tokens_written": 256,
-            "root_bytes": 8192,
-            "root_chunks": 2,
-            "load_s": [0.030],
-        }
-    )
-    total = VineyardConnectorStats()
-    assert total.is_empty()
-    total.aggregate(rank0).aggregate(rank1)
-    assert not total.is_empty()
-    assert total.data["query_tokens"] == 2000
-    assert total.data["hit_tokens"] == 750
-    assert total.data["tokens_written"] == 768
-    assert total.data["root_bytes"] == 8192 and total.data["root_chunks"] == 3
-    assert total.data["load_s"] == [0.010, 0.020, 0.030]
-    reduced = total.reduce()
-    assert reduced["hit_rate"] == 0.375
-    assert reduced["load_s_avg_ms"] == 20.0
-    assert reduced["root_bytes"] == 8192
-    assert "updates_failed" not in reduced  # zero counters are left out
-    assert set(reduced) <= {
-        *COUNTERS,
-        *GAUGES,
-        "hit_rate",
-        *(f"{h}_avg_ms" for h in HISTOGRAMS),
-    }
-    total.reset()
-    assert total.is_empty() and total.data["query_tokens"] == 0
-
-
-def test_stats_with_only_gauges_are_not_empty() -> None:
-    """A step whose only news is the sweeper's sample still reports it."""
-    stats = VineyardConnectorStats(data={"root_bytes": 0})
-    assert not stats.is_empty()
-    assert stats.reduce()["root_bytes"] == 0
-    assert "hit_rate" not in stats.reduce()

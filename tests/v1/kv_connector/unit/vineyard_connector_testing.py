@@ -8,12 +8,17 @@ tests do), and real worker-side caches on small CPU KV tensors.
 ``SchedulerOutput`` the connector sees, and afterwards advances the requests
 as ``Scheduler._update_after_schedule`` and ``update_from_output`` would
 (``num_computed_tokens``, one sampled token per finished prefill).
+:func:`admit` and :func:`run_step` play vLLM's asynchronous loads: a request
+with a hit gets its blocks, waits while its workers load (steps in which it
+is not scheduled), and is scheduled once they report it finished, from the
+first block they could not load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +32,7 @@ from vllm.v1.core.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
@@ -211,6 +217,10 @@ class Step:
     new: list[tuple[Request, list[int], int]] = field(default_factory=list)
     running: list[tuple[Request, list[int], int]] = field(default_factory=list)
     resumed: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    # Filled by run_step: the deltas that started the new requests' loads,
+    # and the blocks the workers could not load.
+    loads: list[RequestDelta] = field(default_factory=list)
+    load_errors: set[int] = field(default_factory=set)
 
     def output(self) -> SchedulerOutput:
         out = SchedulerOutput.make_empty()
@@ -239,30 +249,95 @@ class Step:
                 req.append_output_token_ids(_rng.randrange(3, VOCAB_SIZE))
 
 
-def run_step(
-    sched: VineyardConnectorScheduler,
-    step: Step,
-    workers: Sequence[WorkerHarness] = (),
-) -> VineyardConnectorMetadata:
-    """Build the step's metadata, run it on every worker, advance."""
-    meta = sched.build_connector_meta(step.output())
-    for w in workers:
-        w.step(meta)
-    step.advance()
-    return meta
+@dataclass
+class Allocated:
+    """vLLM's ``KVCacheBlocks`` as ``update_state_after_alloc`` reads it."""
+
+    block_ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.block_ids,)
+
+
+#: Requests admitted with an external hit whose load has not run yet:
+#: request id -> tokens to load.
+_admitted: dict[str, int] = {}
 
 
 def admit(
     sched: VineyardConnectorScheduler, req: Request, num_local_tokens: int = 0
 ) -> int:
     """What vLLM's scheduler does for a waiting request: ask the connector
-    for external hits, allocate, tell it. Sets ``num_computed_tokens`` to
-    local + external hits; returns the external hit."""
-    num_external, load_async = sched.get_num_new_matched_tokens(req, num_local_tokens)
-    assert load_async is False
-    sched.update_state_after_alloc(req, num_external)
+    for external hits (again next step while the lookup is pending). Sets
+    ``num_computed_tokens`` to local + external hits; returns the external
+    hit, which :func:`run_step` loads when the request is first scheduled."""
+    num_external: int | None = None
+    for _ in range(2000):
+        num_external, load_async = sched.get_num_new_matched_tokens(
+            req, num_local_tokens
+        )
+        if num_external is not None:
+            break
+        sched.build_connector_meta(SchedulerOutput.make_empty())  # next step
+    assert num_external is not None, "the lookup never finished"
+    assert load_async == (num_external > 0)
+    if num_external:
+        _admitted[req.request_id] = num_external
     req.num_computed_tokens = num_local_tokens + num_external
     return num_external
+
+
+def load_step(
+    sched: VineyardConnectorScheduler,
+    req: Request,
+    blocks: Sequence[int],
+    workers: Sequence[WorkerHarness] = (),
+    timeout_s: float = 30.0,
+) -> tuple[RequestDelta, set[int]]:
+    """The steps of an admitted request's asynchronous load: its blocks
+    are allocated, the workers load them while it waits, and their reports
+    reach the scheduler; ``num_computed_tokens`` then ends at the first
+    block that could not be loaded (as vLLM's ``recompute`` policy does).
+    Returns the delta that started the load and the blocks the workers
+    could not load."""
+    num_external = _admitted.pop(req.request_id)
+    allocated: Any = Allocated(list(blocks))
+    sched.update_state_after_alloc(req, allocated, num_external)
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    invalid: set[int] = set()
+    for w in workers:
+        w.worker.start_load_kv(meta)
+        deadline = time.monotonic() + timeout_s
+        while req.request_id not in w.worker.get_finished(set()):
+            assert time.monotonic() < deadline, "the load never finished"
+            time.sleep(0.001)
+        invalid |= w.worker.take_load_errors()
+    sched.update_connector_output(
+        KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=invalid)
+    )
+    bad = [i for i, b in enumerate(blocks) if b in invalid]
+    if bad:
+        req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * BLOCK_SIZE)
+    return only(meta), invalid
+
+
+def run_step(
+    sched: VineyardConnectorScheduler,
+    step: Step,
+    workers: Sequence[WorkerHarness] = (),
+) -> VineyardConnectorMetadata:
+    """Run the loads of newly admitted requests, then build the step's
+    metadata, run it on every worker, advance."""
+    for req, blocks, _ in step.new:
+        if req.request_id in _admitted:
+            delta, invalid = load_step(sched, req, blocks, workers)
+            step.loads.append(delta)
+            step.load_errors |= invalid
+    meta = sched.build_connector_meta(step.output())
+    for w in workers:
+        w.step(meta)
+    step.advance()
+    return meta
 
 
 def only(meta: VineyardConnectorMetadata) -> RequestDelta:
