@@ -589,13 +589,14 @@ class VineyardLLMCache:
             self._finish_load(job)  # nothing to read
 
     def cancel_load(self, req_id: str) -> None:
-        """Stop a request's load (it was aborted): nothing more is written
-        into its blocks from now on, and it is reported finished."""
+        """Stop a request's load (it was aborted): it is reported finished
+        at once, since nothing is written into its blocks from now on (only
+        this thread copies into KV blocks; a read still in flight lands in
+        a read buffer and is dropped)."""
         job = self._loads.get(req_id)
         if job is not None:
             job.cancelled = True
-            if self._in_flight is None or self._in_flight[0] is not job:
-                self._finish_load(job)
+            self._finish_load(job)
 
     def loading(self, req_id: str) -> bool:
         return req_id in self._loads

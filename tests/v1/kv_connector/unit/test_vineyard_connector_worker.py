@@ -19,7 +19,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,10 +26,10 @@ from vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
-    Allocated,
     Step,
     WorkerHarness,
     admit,
+    allocate,
     make_config,
     make_layout,
     make_request,
@@ -278,6 +277,39 @@ def test_one_rank_write_failure_is_retried(
     assert lookup.lookup(digests, 0, len(prompt)) == (expect, expect)
 
 
+def test_abort_during_a_load_stops_its_writes(
+    config: VineyardLLMCacheConfig, worker: WorkerHarness
+) -> None:
+    """A request aborted while its load is in flight (the reader stopped)
+    is reported finished at once, so vLLM can free its blocks, and when the
+    reader answers later nothing is written into them; the loads after it
+    go on."""
+    prompt = random_tokens(2 * CHUNK_SIZE + 1)
+    save_prompt(config, worker, prompt, [0, 1, 2, 3, 4])
+    sched = make_scheduler(config, [worker.layout])
+    req = make_request("aborted", prompt)
+    assert admit(sched, req) == 2 * CHUNK_SIZE
+    meta = allocate(sched, req, [20, 21, 22, 23, 24])
+    untouched = worker.kv[:, 20:25].clone()
+    reader = worker.pid("read")
+    os.kill(reader, signal.SIGSTOP)
+    try:
+        worker.worker.start_load_kv(meta)
+        assert worker.worker.get_finished(set()) == set()  # loading
+        assert worker.worker.get_finished({req.request_id}) == {req.request_id}
+    finally:
+        os.kill(reader, signal.SIGCONT)
+    # The next request's load is read after the aborted one's answer.
+    other = make_request("after-abort", prompt)
+    assert admit(sched, other) == 2 * CHUNK_SIZE
+    step = Step(new=[(other, [30, 31, 32, 33, 34], 1)])
+    run_step(sched, step, [worker])
+    assert step.load_errors == set()
+    assert torch.equal(worker.kv[:, 30:34], worker.kv[:, 0:4])
+    assert torch.equal(worker.kv[:, 20:25], untouched)
+    assert worker.worker.take_load_errors() == set()
+
+
 def test_close_during_a_load(tmp_path: Path) -> None:
     """``close()`` while a load waits on a stalled reader (stopped with
     SIGSTOP, timeout far away): it returns at once, and the load is then
@@ -291,9 +323,7 @@ def test_close_during_a_load(tmp_path: Path) -> None:
         sched = make_scheduler(config, [w.layout])
         req = make_request("closing", prompt)
         assert admit(sched, req) == 2 * CHUNK_SIZE
-        blocks: Any = Allocated([10, 11, 12, 13, 14])
-        sched.update_state_after_alloc(req, blocks, 2 * CHUNK_SIZE)
-        meta = sched.build_connector_meta(Step().output())
+        meta = allocate(sched, req, [10, 11, 12, 13, 14])
         untouched = w.kv[:, 10:14].clone()
         os.kill(w.pid("read"), signal.SIGSTOP)
         w.worker.start_load_kv(meta)  # returns at once

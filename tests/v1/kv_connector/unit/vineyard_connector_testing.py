@@ -287,6 +287,16 @@ def admit(
     return num_external
 
 
+def allocate(
+    sched: VineyardConnectorScheduler, req: Request, blocks: Sequence[int]
+) -> VineyardConnectorMetadata:
+    """An admitted request gets its blocks; returns the metadata of the
+    step in which it waits for its load (the workers start it)."""
+    allocated: Any = Allocated(list(blocks))
+    sched.update_state_after_alloc(req, allocated, _admitted.pop(req.request_id))
+    return sched.build_connector_meta(SchedulerOutput.make_empty())
+
+
 def load_step(
     sched: VineyardConnectorScheduler,
     req: Request,
@@ -300,10 +310,7 @@ def load_step(
     block that could not be loaded (as vLLM's ``recompute`` policy does).
     Returns the delta that started the load and the blocks the workers
     could not load."""
-    num_external = _admitted.pop(req.request_id)
-    allocated: Any = Allocated(list(blocks))
-    sched.update_state_after_alloc(req, allocated, num_external)
-    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    meta = allocate(sched, req, blocks)
     invalid: set[int] = set()
     for w in workers:
         w.worker.start_load_kv(meta)

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The scheduler's background lookups (thread logic): a lookup answers
+``None`` while pending and its result later, a lookup past its deadline is
+a counted miss, and a lookup thread stuck in the filesystem is abandoned
+so later lookups are still answered. The filesystem is a stand-in here
+(a lookup that blocks until released); the real lookups run in the
+connector tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
+from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class GatedLookup:
+    """Answers ``(num_tokens - 1, num_tokens)``, but each lookup of a
+    request id in ``held`` blocks until that id is released."""
+
+    def __init__(self) -> None:
+        self.metrics = VineyardCacheMetrics(False)
+        self.held: dict[int, threading.Event] = {}
+
+    def lookup(
+        self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
+    ) -> tuple[int, int]:
+        gate = self.held.get(num_tokens)
+        if gate is not None:
+            gate.wait()
+        return num_tokens - 1 - num_local_tokens, num_tokens
+
+
+@pytest.fixture
+def gated() -> Iterator[GatedLookup]:
+    lookup = GatedLookup()
+    yield lookup
+    for gate in lookup.held.values():
+        gate.set()  # let abandoned threads finish
+
+
+def make(lookup: GatedLookup, timeout_s: float) -> BackgroundLookups:
+    real: VineyardCacheLookup = lookup  # type: ignore[assignment]
+    return BackgroundLookups(real, timeout_s)
+
+
+def ask(lookups: BackgroundLookups, req_id: str, num_tokens: int):
+    return lookups.lookup(req_id, [], 0, num_tokens)
+
+
+def until_answered(
+    lookups: BackgroundLookups, req_id: str, num_tokens: int, limit_s: float = 10.0
+) -> tuple[int, int]:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        lookups.begin_step()
+        answer = ask(lookups, req_id, num_tokens)
+        if answer is not None:
+            return answer
+        time.sleep(0.01)
+    raise AssertionError("no answer")
+
+
+def test_a_fast_lookup_is_answered_in_the_step_that_asks(gated: GatedLookup) -> None:
+    lookups = make(gated, timeout_s=5.0)
+    lookups.begin_step()
+    assert ask(lookups, "fast", 100) == (99, 100)
+
+
+def test_a_pending_lookup_answers_none_then_its_result(gated: GatedLookup) -> None:
+    gated.held[200] = threading.Event()
+    lookups = make(gated, timeout_s=5.0)
+    lookups.begin_step()
+    start = time.monotonic()
+    assert ask(lookups, "slow", 200) is None
+    assert ask(lookups, "slow", 200) is None  # asked again: still pending
+    # The step waited at most its small budget, not for the filesystem.
+    assert time.monotonic() - start < 1.0
+    gated.held[200].set()
+    assert until_answered(lookups, "slow", 200) == (199, 200)
+    assert lookups.metrics.totals["lookup_timeouts"] == 0
+
+
+def test_a_lookup_past_its_deadline_is_a_counted_miss_and_later_ones_go_on(
+    gated: GatedLookup,
+) -> None:
+    """The filesystem hangs for one lookup: that request is a miss after
+    the deadline, and the requests after it are answered by a new thread
+    (the stuck one is abandoned, never waited for)."""
+    gated.held[300] = threading.Event()  # hangs until the test ends
+    lookups = make(gated, timeout_s=0.3)
+    lookups.begin_step()
+    assert ask(lookups, "hung", 300) is None
+    behind = ask(lookups, "behind", 50)  # queued behind the hung one
+    assert behind is None
+    time.sleep(0.4)
+    assert until_answered(lookups, "hung", 300) == (0, 0)  # a miss
+    assert lookups.metrics.totals["lookup_timeouts"] == 1
+    # A new thread took over the queue: the request behind it is answered
+    # (it may itself have passed the deadline while queued: then a miss).
+    assert until_answered(lookups, "behind", 50) in ((49, 50), (0, 0))
+    lookups.begin_step()
+    assert until_answered(lookups, "after", 60) == (59, 60)
+    lookups.close()
