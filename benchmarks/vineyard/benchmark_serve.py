@@ -303,7 +303,8 @@ def print_report(result: dict[str, Any]) -> None:
           f"of {p['prefix_len']} tokens, {p['num_prompts']} requests, "
           f"concurrency {p['concurrency']}")  # fmt: skip
     cols = ("mean_ttft_ms", "p99_ttft_ms", "max_ttft_ms", "p99_itl_ms",
-            "max_itl_ms", "requests_per_s", "hit_rate", "shutdown_s", "stat_ms")  # fmt: skip
+            "max_itl_ms", "requests_per_s", "hit_rate", "shutdown_s",
+            "stat_ms")  # fmt: skip
     print(f"  {'config':18}" + "".join(f"{c:>15}" for c in cols))
     for name, r in result["configs"].items():
         if "skipped" in r:
