@@ -16,7 +16,9 @@ In each ``ROUND`` the ``prompts`` (token id lists) are generated greedily
 or one call per prompt (``one_by_one``), or step by step with the cache's
 writer backends stopped until every request has its first token
 (``stop_writer_during_prefill``), all with one ``cache_salt`` if a round
-gives one. Before the prompts, ``pause_s`` waits
+gives one; ``freeze_file`` is created for the round's generation and removed
+after it (the freeze switch of a ``slow_fs.py`` cache root). Before the
+prompts, ``pause_s`` waits
 (for background work such as a sweep), ``kill_backends``
 SIGKILLs every vineyard backend process below the engine and ``break_path``
 replaces that directory (the cache root) by a regular file. After each round
@@ -355,6 +357,7 @@ def run_engine(
                 "break_path": None,
                 "pause_s": 0.0,
                 "cache_salt": None,
+                "freeze_file": None,
                 **r,
             }
             for r in rounds
@@ -530,6 +533,8 @@ def _main(spec_path: str) -> None:
             if r["cache_salt"] is not None:
                 for prompt in prompts:
                     prompt["cache_salt"] = r["cache_salt"]
+            if r["freeze_file"]:  # a FUSE cache root stops answering
+                Path(r["freeze_file"]).touch()
             start = time.perf_counter()
             writer_stopped_s = 0.0
             if r["stop_writer_during_prefill"]:
@@ -542,6 +547,8 @@ def _main(spec_path: str) -> None:
             else:
                 outs = llm.generate(prompts, params, use_tqdm=False)
             wall_s = time.perf_counter() - start
+            if r["freeze_file"]:
+                Path(r["freeze_file"]).unlink()
             # Let the background writes finish, and step the engine so that
             # the worker reports them.
             deadline = time.monotonic() + spec["settle_s"]

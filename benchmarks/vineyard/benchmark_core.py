@@ -55,13 +55,13 @@ class Size:
     head_size: int = 128
     dtype: str = "bfloat16"
     block_size: int = 16
-    chunk_size: int = 256
+    chunk_size: int = 16  # the default: one block per chunk (file)
     num_tokens: int = 2048  # one prompt, written and read as a whole
     step_tokens: int = 1024  # max_num_batched_tokens: one save's tokens
     iters: int = 5
 
 
-TINY = Size(num_layers=4, num_kv_heads=2, head_size=64, chunk_size=64,
+TINY = Size(num_layers=4, num_kv_heads=2, head_size=64, chunk_size=16,
             num_tokens=512, step_tokens=256, iters=3)  # fmt: skip
 
 

@@ -430,6 +430,9 @@ class VineyardLLMCache:
         self._read_memory = _StagingMemory(
             2, self.max_blocks, layout.entry_bytes, dtype
         )
+        # Back the read buffers now: a first load that faults in hundreds
+        # of MiB of pages measured 4x slower than the next ones.
+        self._read_memory.tensor.view(torch.uint8).fill_(0)
         self._read_pinned = self.device.type == "cuda" and all(
             [_pin(self._read_memory.tensor[i]) for i in range(2)]
         )
