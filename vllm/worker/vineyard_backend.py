@@ -429,6 +429,7 @@ class BackendProcess:
         startup_timeout_s: float = 60.0,
         nice: int = 0,
         wait: bool = True,
+        restart_in_background: bool = False,
     ):
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel)."""
@@ -439,6 +440,10 @@ class BackendProcess:
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
         self._nice = nice
+        # Callers that must never wait (the forward thread) get an error at
+        # once while the process is restarted on a thread of its own.
+        self._restart_in_background = restart_in_background
+        self._restarter: threading.Thread | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -559,11 +564,8 @@ class BackendProcess:
             raise BackendError(f"{self.name} backend is closed")
         if self.disabled_reason is not None:
             raise BackendError(self.disabled_reason)
-        if (
-            self._conn is not None
-            and self._proc is not None
-            and self._proc.poll() is None
-        ):
+        if self._running_locked():
+            assert self._conn is not None
             return self._conn
         self._stop_locked()
         if self.restarts >= self._max_restarts:
@@ -590,15 +592,49 @@ class BackendProcess:
         return BackendError(f"{self.name} backend died (exit code {code}): {error}")
 
     def send(self, *request: Any) -> None:
-        """Send a request; :meth:`receive` gets its answer."""
-        with self._lock:
+        """Send a request; :meth:`receive` gets its answer. With
+        ``restart_in_background`` a dead process is restarted on another
+        thread, and calls fail at once until it is up."""
+        if self._restart_in_background:
+            if not self._lock.acquire(blocking=False):
+                raise BackendError(f"{self.name} backend is restarting")
+        else:
+            self._lock.acquire()
+        try:
             assert self._in_flight is None, "one request at a time"
+            if self._restart_in_background and not self._running_locked():
+                self._restart_later_locked()
             conn = self._ensure_running_locked()
             try:
                 conn.send(request)
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = request[0]
+        finally:
+            self._lock.release()
+
+    def _running_locked(self) -> bool:
+        return (
+            self._conn is not None
+            and self._proc is not None
+            and self._proc.poll() is None
+        )
+
+    def _restart_later_locked(self) -> None:
+        """Start the restart on a thread of its own and fail this call."""
+        if self._closed or self.disabled_reason is not None:
+            return  # _ensure_running_locked says why
+        if self._restarter is None or not self._restarter.is_alive():
+
+            def restart() -> None:
+                with self._lock, contextlib.suppress(BackendError):
+                    self._ensure_running_locked()
+
+            self._restarter = threading.Thread(
+                target=restart, name=f"vineyard-{self.name}-restart", daemon=True
+            )
+            self._restarter.start()
+        raise BackendError(f"{self.name} backend is restarting")
 
     def ready(self) -> bool:
         """Whether :meth:`receive` would return (or fail) without waiting:
@@ -644,9 +680,10 @@ class BackendProcess:
         self._closed = True
         # Kill first, without the lock: a call in flight then fails at once
         # instead of holding the lock until its timeout.
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        starting = self._starting
+        for proc in (self._proc, starting[0] if starting else None):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         with self._lock:
             self._stop_locked()
 

@@ -451,6 +451,7 @@ class VineyardLLMCache:
         self._in_flight: tuple[_LoadJob, int, int, float] | None = None
         self._finished_loads: list[tuple[str, int, int]] = []
         self._blocking_loads = itertools.count()
+        self._restarts_counted: dict[str, int] = {}
         bpc = layout.blocks_per_chunk
         self._load_segment_blocks = max(bpc, self.max_blocks // 4 // bpc * bpc)
         self._reader: BackendProcess | None = None
@@ -465,6 +466,9 @@ class VineyardLLMCache:
                 self._read_memory.fd,
                 config.backend_timeout_s,
                 wait=False,
+                # Loads are driven from the forward thread: it never waits
+                # for a reader to restart (e.g. on a root that hangs).
+                restart_in_background=True,
             )
             self._writer = BackendProcess(
                 "write",
@@ -504,12 +508,14 @@ class VineyardLLMCache:
     # ---- backend calls -----------------------------------------------------
 
     def _send(self, backend: BackendProcess, *request: Any) -> None:
-        restarts = backend.restarts
         try:
             backend.send(*request)
         finally:
-            if backend.restarts != restarts:
-                self.metrics.add("backend_restarts", backend.restarts - restarts)
+            # Restarts (maybe on a thread of the backend's) not counted yet.
+            new = backend.restarts - self._restarts_counted.get(backend.name, 0)
+            if new:
+                self._restarts_counted[backend.name] = backend.restarts
+                self.metrics.add("backend_restarts", new)
 
     def _receive(self, backend: BackendProcess, timeout_s: float | None = None) -> Any:
         reply = backend.receive(timeout_s)
