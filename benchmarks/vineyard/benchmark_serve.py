@@ -66,13 +66,13 @@ class Plan:
     concurrency: int = 4
     kvcache_space_gib: int = 1  # vLLM's own KV cache: less than the prefixes
     latency_ms: float = 10.0  # per FUSE call: about 20 ms per stat
-    freeze_at_s: float = 5.0
+    freeze_at_s: float = 60.0  # in the steady state, not the cold start
     freeze_s: float = 20.0
     backend_timeout_s: float = 5.0
     lookup_timeout_s: float = 2.0
 
 
-QUICK = Plan(num_prefixes=8, num_prompts=16, output_len=8, freeze_at_s=2.0,
+QUICK = Plan(num_prefixes=8, num_prompts=16, output_len=8, freeze_at_s=10.0,
              freeze_s=6.0)  # fmt: skip
 
 
@@ -215,7 +215,7 @@ def freeze_during(
     fs.freeze(False)
 
 
-def run(plan: Plan, work: Path) -> dict[str, Any]:
+def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]:
     module = load_script(
         ROOT / "examples" / "offline_inference" / "vineyard_real_model.py",
         "vineyard_real_model",
@@ -247,6 +247,8 @@ def run(plan: Plan, work: Path) -> dict[str, Any]:
     ]
     results: dict[str, Any] = {}
     for name, env, args in configs:
+        if only and name not in only:
+            continue
         print(f"  {name} ...", end="", flush=True)
         server = Server(name.replace(" ", "-"), model, work, env, args)
         try:
@@ -262,6 +264,8 @@ def run(plan: Plan, work: Path) -> dict[str, Any]:
         results["fuse"] = {"skipped": why_not}
         return {"plan": asdict(plan), "configs": results}
     for name, freeze in (("slow fs", False), ("frozen", True)):
+        if only and name not in only:
+            continue
         print(f"  {name} ...", end="", flush=True)
         fs = SlowFs(work / name.replace(" ", "-"), plan.latency_ms)
         stat_ms = fs.stat_latency_ms()
@@ -325,12 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run (CI)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--workdir", help="logs, roots and results (default: temp)")
+    parser.add_argument(
+        "--only", nargs="+", help="run only these configurations (by name)"
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        result = run(replace(plan), Path(tmp))
+        result = run(replace(plan), Path(tmp), args.only)
     print_report(result)
     if args.json:
         with open(args.json, "w") as f:
