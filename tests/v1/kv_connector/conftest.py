@@ -51,7 +51,8 @@ def toy_model(toy_model_factory: ModelFactory) -> str:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRunner:
-    """``reference(model, prompts, max_tokens=8, **llm_kwargs)``: one
+    """``reference(model, prompts, max_tokens=8, one_by_one=False,
+    **llm_kwargs)``: one
     engine without the cache (``VLLM_USE_VINEYARD_CACHE`` unset) generating
     ``prompts`` in one call; memoized for the session."""
     runs: dict[str, EngineRun] = {}
@@ -60,14 +61,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRunner:
         model: str,
         prompts: Sequence[Sequence[int]],
         max_tokens: int = 8,
+        one_by_one: bool = False,
         **llm_kwargs: Any,
     ) -> EngineRun:
-        key = json.dumps([model, prompts, max_tokens, llm_kwargs], sort_keys=True)
+        key = json.dumps(
+            [model, prompts, max_tokens, one_by_one, llm_kwargs], sort_keys=True
+        )
         if key not in runs:
             workdir = tmp_path_factory.mktemp("reference")
             runs[key] = run_engine(
                 model,
-                [{"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}],
+                [
+                    {
+                        "prompts": [list(p) for p in prompts],
+                        "max_tokens": max_tokens,
+                        "one_by_one": one_by_one,
+                    }
+                ],
                 engine_env(workdir / "unused-cache-root", use_cache=False),
                 workdir,
                 llm_kwargs=llm_kwargs,

@@ -118,7 +118,10 @@ def test_killed_backends_restart(killed: EngineRun) -> None:
     assert killed.delta(2, "backend_restarts") >= 1
     assert killed.delta(1, "tokens_written") > 0
     assert killed.last.counter("updates_failed") == 0
-    assert killed.last.counter("load_errors") == 0
+    # The reader restarts on a thread of its own (the forward thread never
+    # waits for it): loads that come while it restarts come up short and
+    # are recomputed, at most every load of the rounds after a kill.
+    assert killed.last.counter("load_errors") <= 2 * len(standard_prompts())
     assert all(r.settled for r in killed.rounds)
     assert killed.shutdown_s is not None  # and within the harness's bound
 
@@ -130,12 +133,18 @@ def test_killed_backends_keep_serving(
     assert killed.rounds[0].outputs == no_cache[:1]
     assert killed.rounds[1].outputs == no_cache
     assert killed.rounds[2].outputs == no_cache
-    # What was written before the kill is still found by the restarted
-    # reader; what was written after it by the restarted writer too.
-    assert killed.rounds[1].num_cached_tokens[0] == cacheable_prefix(len(prompts[0]))
-    assert killed.rounds[2].num_cached_tokens == [
+    # What was written before the kill is still found by the lookups (the
+    # reader loads it once restarted; a load during the restart is
+    # recomputed), and never more than that.
+    assert killed.delta(1, "hit_tokens") >= cacheable_prefix(len(prompts[0]))
+    assert killed.delta(2, "hit_tokens") >= sum(
         cacheable_prefix(len(p)) for p in prompts
-    ]
+    )
+    for r in killed.rounds[1:]:
+        assert all(
+            n <= cacheable_prefix(len(p))
+            for n, p in zip(r.num_cached_tokens, prompts, strict=False)
+        )
 
 
 def _flip_a_byte_in_every_chunk(root: Path) -> int:

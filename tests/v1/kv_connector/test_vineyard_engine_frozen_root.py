@@ -48,7 +48,11 @@ def slow_fs(module_dir: Path) -> Iterator[SlowFs]:
     why = fuse_unavailable()
     if why is not None:
         pytest.skip(f"no FUSE filesystem here: {why}")
-    fs = SlowFs(module_dir / "fs")
+    try:
+        fs = SlowFs(module_dir / "fs")
+    except RuntimeError as e:  # e.g. a container without FUSE permission
+        log = (module_dir / "fs" / "fuse.log").read_text()[-2000:]
+        pytest.skip(f"the FUSE filesystem did not mount here: {e}\n{log}")
     yield fs
     fs.close()
 
