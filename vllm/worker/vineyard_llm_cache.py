@@ -762,9 +762,9 @@ class VineyardLLMCache:
         Never waits for the backend when async update is on. With no free
         buffer the update is skipped (and counted); each request keeps its
         resume point, so the skipped chunks are saved by a later call while
-        the request's blocks are alive. ``may_take_buffer=False`` skips
-        (tensor-parallel peers skip together). Returns whether a task was
-        submitted.
+        the request's blocks are alive. ``may_take_buffer=False`` skips as if
+        the pool were empty (for tests and tools). Returns whether a task
+        was submitted.
         """
         if self._closed or self._writer is None or self._writer.disabled_reason:
             return False  # no backend: staging copies would be wasted
