@@ -131,6 +131,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def flip_a_payload_byte(path: str | os.PathLike[str]) -> None:
+    """Bit rot at rest: one KV byte of a chunk file's last entry flipped
+    (before its trailer)."""
+    with open(path, "r+b") as f:
+        f.seek(-200, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-200, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
 def engine_env(
     cache_root: str | os.PathLike[str] | None,
     *,

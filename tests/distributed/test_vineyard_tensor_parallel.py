@@ -14,21 +14,28 @@ across ranks) in ``tests/v1/kv_connector/unit/test_vineyard_connector_scheduler.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 from vineyard_engine_testing import (
+    BLOCK_SIZE,
     cacheable_prefix,
     engine_env,
+    flip_a_payload_byte,
     random_tokens,
     run_engine,
 )
 from vineyard_toy_model import make_toy_llama
 
+from vllm.worker.vineyard_store import ChunkFiles, extend_digests, synthetic_ids
+
 PROMPT_LEN = 900
+LONGER_BY = 300
 MAX_TOKENS = 10
 TP_KWARGS = {"tensor_parallel_size": 2, "enable_prefix_caching": False}
+COLLECTIVE_LOG_DIR = Path(__file__).parent / "collective_log"
 # One core per rank (vLLM's NUMA auto-binding needs two nodes).
 TP_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
@@ -40,11 +47,13 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     prompt = random_tokens(random.Random(3), PROMPT_LEN)
     cached = cacheable_prefix(PROMPT_LEN)
     assert cached == 896  # every block before the last token (14 of 64)
+    longer = prompt + random_tokens(random.Random(4), LONGER_BY)
     rounds = [{"prompts": [prompt], "max_tokens": MAX_TOKENS}]
+    longer_rounds = [{"prompts": [longer], "max_tokens": MAX_TOKENS}]
 
     plain = run_engine(
         model,
-        rounds,
+        rounds + longer_rounds,
         engine_env(tmp_path / "unused", use_cache=False, extra=TP_BINDING),
         tmp_path / "no-cache",
         llm_kwargs=TP_KWARGS,
@@ -52,25 +61,65 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     assert plain.vineyard_metric_names() == []  # no cache, no vineyard metrics
 
     # Round 0 computes and saves (the harness waits until every write is
-    # reported); round 1 asks again and loads.
+    # reported); round 1 asks again and loads. Every process logs its
+    # torch.distributed collectives (see collective_log/sitecustomize.py).
+    log = tmp_path / "collectives.log"
+    logging_env = {
+        **TP_BINDING,
+        "PYTHONPATH": os.pathsep.join(
+            [str(COLLECTIVE_LOG_DIR), os.environ.get("PYTHONPATH", "")]
+        ),
+        "VINEYARD_TEST_COLLECTIVE_LOG": str(log),
+    }
     run = run_engine(
         model,
         rounds * 2,
-        engine_env(tmp_path / "cache", extra=TP_BINDING),
+        engine_env(tmp_path / "cache", extra=logging_env),
         tmp_path / "cache-on",
         llm_kwargs=TP_KWARGS,
     )
     first, second = run.rounds
     assert first.num_cached_tokens == [0]
-    assert first.outputs == plain.last.outputs
+    assert first.outputs == plain.rounds[0].outputs
     assert first.settled and first.counter("updates_submitted") > 0
     assert first.counter("updates_failed") == 0
     shards = sorted(p.name.rsplit("-", 2)[1] for p in (tmp_path / "cache").iterdir())
     assert shards == ["tp2r0", "tp2r1"]
 
     assert second.num_cached_tokens == [cached]
-    assert second.outputs == plain.last.outputs
+    assert second.outputs == plain.rounds[0].outputs
     assert run.delta(1, "hit_tokens") == cached
     # Both ranks loaded their shard of every hit token.
     assert run.delta(1, "loaded_tokens") == 2 * cached
     assert run.last.counter("load_errors") == 0
+
+    # The cache runs no collective in any step (the ranks report to the
+    # scheduler instead); vLLM's own set-up collectives were logged, so
+    # the logging worked in the workers' processes.
+    lines = [line.split() for line in log.read_text().splitlines()]
+    started = {pid for pid, what, *_ in lines if what == "started"}
+    assert len(started) >= 3  # the engine and two workers
+    assert sum(what == "other" for _, what, *_ in lines) > 0
+    assert [line for line in lines if line[1] == "cache"] == []
+
+    # Rank 0's copy of block 5 rots on disk. A later engine asks for a
+    # longer prompt: rank 0's load comes up short there, rank 1's does not;
+    # vLLM recomputes from block 5 on both ranks, the outputs stay those of
+    # no cache, and the scheduler has both ranks save from there again, so
+    # the same engine's next ask loads the whole longer prefix.
+    rank0 = next((tmp_path / "cache").glob("*-tp2r0-*"))
+    ids = synthetic_ids(extend_digests([], prompt, BLOCK_SIZE))
+    flip_a_payload_byte(ChunkFiles(str(rank0), 1, 0).path(ids[:6]))
+    later = run_engine(
+        model,
+        longer_rounds * 2,
+        engine_env(tmp_path / "cache", extra=TP_BINDING),
+        tmp_path / "later",
+        llm_kwargs=TP_KWARGS,
+    )
+    bitten, healed = later.rounds
+    assert bitten.outputs == healed.outputs == plain.rounds[1].outputs
+    assert bitten.counter("load_errors") >= 1
+    assert bitten.counter("corrupt_chunks") == 1
+    assert healed.num_cached_tokens == [cacheable_prefix(len(longer))]
+    assert later.delta(1, "load_errors") == 0

@@ -11,6 +11,7 @@ reader shows in loads only.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -154,8 +155,10 @@ def test_backend_restarts_then_is_disabled_after_too_many(make_cache: CacheFacto
         threading.Thread(target=load, daemon=True).start()
         assert done.wait(h.config.backend_timeout_s / 2), "load blocked"
         assert results == [0]
-    assert h.cache._reader is not None
-    assert h.cache._reader.disabled_reason is not None
+    reader = h.cache._reader
+    assert reader is not None
+    assert reader.disabled_reason is not None
+    assert not h.cache.can_load()  # the scheduler stops promising hits
     counters = h.counters()
     assert counters["load_errors"] == 3 + 3
     assert counters["backend_restarts"] == 3
@@ -165,6 +168,33 @@ def test_backend_restarts_then_is_disabled_after_too_many(make_cache: CacheFacto
     more_tokens, _ = saved_sequence(h, "other")
     assert h.lookup(more_tokens) == (CACHED, CACHED)
     assert h.counters()["updates_failed"] == 0
+    # Once the restart window has passed, the reader is tried again.
+    reader._restart_window_s = 0.0
+    assert h.load(tokens, 0, CACHED, dst) == 0  # starts the restart
+    wait_restarted(h)
+    assert h.cache.can_load()
+    assert h.load(tokens, 0, CACHED, dst) == CACHED
+    assert h.counters()["backend_restarts"] == 4
+
+
+def test_restarts_spread_over_time_are_forgiven(make_cache: CacheFactory):
+    """Restarts older than the window do not count towards disabling."""
+    h = make_cache()
+    tokens, _ = saved_sequence(h)
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    reader = h.cache._reader
+    assert reader is not None
+    for _ in range(5):
+        kill_process(h.pid("read"))
+        assert h.load(tokens, 0, CACHED, dst) == 0
+        wait_restarted(h)
+        assert h.load(tokens, 0, CACHED, dst) == CACHED
+        # Age the restarts past the window.
+        reader._recent_restarts = collections.deque(
+            t - reader._restart_window_s for t in reader._recent_restarts
+        )
+    assert reader.disabled_reason is None
+    assert h.counters()["backend_restarts"] == 5
 
 
 def test_writer_killed_between_writes_restarts_on_the_next_write(

@@ -97,7 +97,7 @@ def test_burst_from_several_sequences_keeps_issue_order(make_cache: CacheFactory
 
     # Every chunk that was submitted (not skipped) is cached, and no more.
     for s in seqs:
-        assert cached_tokens(h, s) == cache._resume[s.req_id]
+        assert cached_tokens(h, s) == cache._resume[s.req_id][1]
     # The skipped rest comes with the next save.
     h.save_all([s.request() for s in seqs])
     full = whole_chunks(seqs[0], CHUNK_SIZE)
@@ -342,7 +342,7 @@ def test_failed_write_is_written_again_from_its_first_chunk(
 def test_no_staging_copy_once_the_writer_is_disabled(make_cache: CacheFactory):
     h = make_cache()
     assert h.cache._writer is not None
-    h.cache._writer.disabled_reason = "disabled by the test"
+    h.cache._writer._disabled = ("disabled by the test", time.monotonic())
     assert not h.cache.can_save()
     (seq,) = make_sequences(h, 1, num_chunks=2)
     seq.computed = 2 * CHUNK_SIZE

@@ -21,6 +21,7 @@ a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import json
@@ -32,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -415,8 +417,10 @@ class BackendProcess:
     :meth:`send` and :meth:`receive` split it, so the caller can work while
     the backend does (one request in flight at a time). When the process
     dies, answers garbage or stalls, it is killed and restarted on the next
-    call, up to ``max_restarts`` times; after that every call fails at once
-    with :class:`BackendError` and the cache degrades to recompute.
+    call. After ``max_restarts`` restarts within ``restart_window_s`` it is
+    disabled for that long: every call fails at once with
+    :class:`BackendError` and the cache degrades to recompute; then it is
+    tried again (a filesystem that recovers gets its cache back).
     """
 
     def __init__(
@@ -430,6 +434,7 @@ class BackendProcess:
         nice: int = 0,
         wait: bool = True,
         restart_in_background: bool = False,
+        restart_window_s: float = 600.0,
     ):
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel)."""
@@ -450,13 +455,41 @@ class BackendProcess:
         self._in_flight: str | None = None  # the op sent and not yet received
         # Spawned, not yet ready (see ``wait``).
         self._starting: tuple[subprocess.Popen[bytes], Connection] | None = None
-        self.restarts = 0
-        self.disabled_reason: str | None = None
+        self._restart_window_s = restart_window_s
+        self._recent_restarts: collections.deque[float] = collections.deque()
+        self.restarts = 0  # in the process's lifetime (for the metrics)
+        self._disabled: tuple[str, float] | None = None  # why, since when
         self._closed = False
         with self._lock:
             self._spawn_locked()
             if wait:
                 self._await_ready_locked()
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why calls fail at once now, or ``None``; a backend disabled for
+        the restart window is enabled again."""
+        disabled = self._disabled
+        if disabled is None:
+            return None
+        reason, since = disabled
+        if time.monotonic() - since < self._restart_window_s:
+            return reason
+        logger.info("Enabling the %s vineyard backend again", self.name)
+        self._disabled = None
+        return None
+
+    @property
+    def available(self) -> bool:
+        """Whether a call would be served now: not closed, not disabled and
+        not restarting (read without the lock: a hint, not a promise)."""
+        restarter = self._restarter
+        return (
+            not self._closed
+            and self.disabled_reason is None
+            and (restarter is None or not restarter.is_alive())
+            and self._starting is None
+        )
 
     @property
     def pid(self) -> int | None:
@@ -568,19 +601,29 @@ class BackendProcess:
             assert self._conn is not None
             return self._conn
         self._stop_locked()
-        if self.restarts >= self._max_restarts:
-            self.disabled_reason = (
-                f"{self.name} backend disabled after {self.restarts} "
-                "restarts; the cache now recomputes instead"
+        now = time.monotonic()
+        recent = self._recent_restarts
+        while recent and now - recent[0] >= self._restart_window_s:
+            recent.popleft()  # forgiven after a period of success
+        if len(recent) >= self._max_restarts:
+            reason = (
+                f"{self.name} backend disabled for "
+                f"{self._restart_window_s:.0f} s after {len(recent)} restarts; "
+                "the cache recomputes instead meanwhile"
             )
-            logger.warning("%s", self.disabled_reason)
-            raise BackendError(self.disabled_reason)
+            self._disabled = (reason, now)
+            recent.clear()
+            logger.warning("%s", reason)
+            raise BackendError(reason)
+        recent.append(now)
         self.restarts += 1
         logger.warning(
-            "Restarting the %s vineyard backend (restart %d/%d)",
+            "Restarting the %s vineyard backend (restart %d of %d allowed "
+            "within %.0f s)",
             self.name,
-            self.restarts,
+            len(recent),
             self._max_restarts,
+            self._restart_window_s,
         )
         self._start_locked()
         assert self._conn is not None

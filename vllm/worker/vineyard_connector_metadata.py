@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What crosses from the scheduler to the workers each step, and from the
-workers to the scheduler once (the handshake)."""
+"""What crosses from the scheduler to the workers each step (what to load
+and from where to save), from the workers to the scheduler each step (what
+each rank saved and whether it can load), and once (the handshake)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 from vllm.worker.vineyard_lookup import KVCacheLayout
@@ -26,7 +28,11 @@ class RequestDelta:
     block_ids: list[int]  # appended, or the whole list if replace_blocks
     replace_blocks: bool  # first schedule, or resumed after preemption
     num_computed_tokens: int  # tokens whose KV exists after this step
-    save_from: int  # where saves start (used on first sight)
+    # The scheduler's decision: chunks from here on are saved. It moves
+    # back only when a load came up short (the chunks recomputed then are
+    # saved again on every rank); skipped and failed saves a rank re-issues
+    # itself, from its own progress.
+    save_from: int
     load: tuple[int, int] | None = None  # load tokens [start, end) first
 
 
@@ -40,3 +46,22 @@ class VineyardHandshake(KVConnectorHandshakeMetadata):
     """A worker's layout, so the scheduler looks up the same namespace."""
 
     layout: KVCacheLayout
+
+
+@dataclass
+class VineyardWorkerReport(KVConnectorWorkerMetadata):
+    """Each TP rank's news after a step, combined over ranks by vLLM
+    (:meth:`aggregate`): the scheduler decides on the minimum."""
+
+    # rank -> request -> tokens from 0 that the rank has in vineyard now
+    # (only requests whose figure changed)
+    saved: dict[int, dict[str, int]] = field(default_factory=dict)
+    # rank -> whether its reader can load now (only when it changed)
+    can_load: dict[int, bool] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> VineyardWorkerReport:
+        assert isinstance(other, VineyardWorkerReport)
+        return VineyardWorkerReport(
+            saved={**self.saved, **other.saved},
+            can_load={**self.can_load, **other.can_load},
+        )

@@ -10,6 +10,12 @@ asynchronous: a request with a hit waits in ``WAITING_FOR_REMOTE_KVS``
 while others run, until its workers report the load finished. Blocks are
 named by chained digests of their token ids (and ``cache_salt``), computed
 here once and sent to the workers as deltas.
+
+The scheduler owns every decision: what each request loads, where its saves
+start (moved back for every rank when a load came up short), and whether
+hits are promised at all (not while a rank's reader cannot load). Workers
+execute and report after each step (:class:`VineyardWorkerReport`, combined
+over ranks by vLLM); the scheduler follows the minimum over ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from vllm.worker.vineyard_connector_metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
     VineyardHandshake,
+    VineyardWorkerReport,
 )
 from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
@@ -68,6 +75,13 @@ class _RequestState:
     # (vLLM asks again after a failed load; the same promise would fail).
     max_hit: int = NEVER
     blocks_replaced: bool = True  # the next delta carries the full block list
+    rank_saved: dict[int, int] = field(default_factory=dict)  # as reported
+    saved: int = 0  # tokens from 0 in vineyard on every rank
+
+    def record_saved(self, rank: int, tokens: int, tp_size: int) -> None:
+        self.rank_saved[rank] = tokens
+        if len(self.rank_saved) == tp_size:
+            self.saved = min(self.rank_saved.values())
 
     def take_digests(self, num_tokens: int, block_size: int) -> list[bytes]:
         """The digests of the first ``num_tokens`` tokens' complete blocks
@@ -105,6 +119,7 @@ class VineyardConnectorScheduler:
         self._tp_size = tp_size
         self._lookup: BackgroundLookups | None = None
         self._requests: dict[str, _RequestState] = {}
+        self._ranks_that_cannot_load: set[int] = set()
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
 
     @property
@@ -151,8 +166,10 @@ class VineyardConnectorScheduler:
             return None, False  # ask again next step
         num_hit, save_from = found
         if state.digests_sent == 0:
-            state.save_from = save_from
+            state.save_from = state.saved = save_from
         num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
+        if self._ranks_that_cannot_load:
+            num_hit = 0  # a reader is restarting or disabled: no promises
         return num_hit, num_hit > 0
 
     def update_state_after_alloc(
@@ -166,9 +183,10 @@ class VineyardConnectorScheduler:
         state.load_blocks = list(blocks.get_block_ids()[0])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Learn which loads finished and which came up short: a request
-        whose load failed at block ``b`` is never promised more than ``b``
-        again (vLLM looks it up again after recomputing nothing)."""
+        """Learn from the workers: which loads finished and which came up
+        short (a request whose load failed at block ``b`` on any rank is
+        never promised more than ``b`` again, and saves from there again on
+        every rank), how far requests are saved, and which ranks can load."""
         bs = self.block_size
         if output.invalid_block_ids:
             for state in self._requests.values():
@@ -178,11 +196,34 @@ class VineyardConnectorScheduler:
                 for b in range(start // bs, end // bs):
                     if state.load_blocks[b] in output.invalid_block_ids:
                         state.max_hit = min(state.max_hit, b * bs)
+                        first = b * bs // self.chunk_size * self.chunk_size
+                        state.save_from = min(state.save_from, first)
+                        state.saved = min(state.saved, first)
                         break
         for req_id in output.finished_recving or ():
             finished = self._requests.get(req_id)
             if finished is not None:
                 finished.loading = None
+        report = output.kv_connector_worker_meta
+        if isinstance(report, VineyardWorkerReport):
+            self._apply_report(report)
+
+    def _apply_report(self, report: VineyardWorkerReport) -> None:
+        for rank, saved in report.saved.items():
+            for req_id, tokens in saved.items():
+                state = self._requests.get(req_id)
+                if state is not None:
+                    state.record_saved(rank, tokens, self._tp_size)
+        for rank, can_load in report.can_load.items():
+            if can_load:
+                self._ranks_that_cannot_load.discard(rank)
+            else:
+                self._ranks_that_cannot_load.add(rank)
+                logger.warning(
+                    "vineyard cache reader of TP rank %d cannot load: no hits "
+                    "are promised until it is back",
+                    rank,
+                )
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput

@@ -9,8 +9,10 @@ finished loads (:meth:`get_finished`) and the blocks that could not be
 loaded (:meth:`take_load_errors`), while the requests wait in vLLM's
 ``WAITING_FOR_REMOTE_KVS``. After the forward pass (:meth:`wait_for_save`)
 it stages the newly completed chunks into a pool buffer and returns at once
-while the backend writes them. No step runs a collective: a rank that
-skips a save resumes it later, and lookups take the minimum across ranks.
+while the backend writes them. After each step the worker reports to the
+scheduler (:meth:`build_report`) how far each request is saved on this
+rank and whether its reader can load: no step runs a collective; the
+scheduler decides on the minimum over ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_connector_metadata import (
     VineyardConnectorMetadata,
     VineyardHandshake,
+    VineyardWorkerReport,
 )
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
 from vllm.worker.vineyard_lookup import KVCacheLayout
@@ -38,6 +41,8 @@ logger = init_logger(__name__)
 class _WorkerRequest:
     digests: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # tokens from 0 this rank has in vineyard
+    reported: int = -1  # ``saved`` as last reported
 
 
 def kv_layout_name(kv: torch.Tensor) -> str:
@@ -65,6 +70,7 @@ class VineyardConnectorWorker:
         self.cache: VineyardLLMCache | None = None
         self._requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
+        self._could_load: bool | None = None  # as last reported
         self.start_failures = 0  # not yet reported in the stats
 
     def register_kv_caches(self, tensors: list[torch.Tensor]) -> None:
@@ -95,7 +101,12 @@ class VineyardConnectorWorker:
 
     def _update_requests(self, meta: VineyardConnectorMetadata) -> None:
         for delta in meta.requests:
-            state = self._requests.setdefault(delta.req_id, _WorkerRequest())
+            state = self._requests.get(delta.req_id)
+            if state is None:
+                # What the lookup found on every rank is saved already.
+                state = self._requests[delta.req_id] = _WorkerRequest(
+                    saved=delta.save_from
+                )
             state.digests.extend(delta.new_digests)
             if delta.replace_blocks:
                 state.block_ids = list(delta.block_ids)
@@ -145,14 +156,42 @@ class VineyardConnectorWorker:
                 finished_loading.add(req_id)
                 state = self._requests.get(req_id)
                 if loaded < end and state is not None:
-                    # vLLM recomputes from the first of these blocks.
+                    # vLLM recomputes from the first of these blocks, and
+                    # the scheduler has them saved again on every rank.
                     self._load_errors.update(state.block_ids[loaded // bs : end // bs])
-                    self.cache.resume_from(req_id, loaded)
+                    state.saved = min(state.saved, loaded)
         for req_id in finished_req_ids:
             self._requests.pop(req_id, None)
             if self.cache is not None:
                 self.cache.release(req_id)
         return finished_loading
+
+    def build_report(self) -> VineyardWorkerReport | None:
+        """What changed since the last report: how far each request is
+        saved on this rank (from the writes that finished), and whether
+        the reader can load."""
+        if self.cache is None:
+            return None
+        for req_id, begin, end in self.cache.take_stored():
+            state = self._requests.get(req_id)
+            if state is not None and begin <= state.saved < end:
+                state.saved = end  # writes finish in order
+        rank = self.cache.layout.tp_rank
+        report = VineyardWorkerReport()
+        saved = {
+            req_id: state.saved
+            for req_id, state in self._requests.items()
+            if state.saved != state.reported
+        }
+        for req_id, tokens in saved.items():
+            self._requests[req_id].reported = tokens
+        if saved:
+            report.saved[rank] = saved
+        can_load = self.cache.can_load()
+        if can_load != self._could_load:
+            self._could_load = can_load
+            report.can_load[rank] = can_load
+        return report if report.saved or report.can_load else None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

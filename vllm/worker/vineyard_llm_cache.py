@@ -403,7 +403,11 @@ class VineyardLLMCache:
         buffer_bytes = self.max_blocks * layout.entry_bytes
         num_buffers = config.num_update_buffers(buffer_bytes)
 
-        self._resume: dict[str, int] = {}
+        # Per request: (the scheduler's save_from, the next token to save).
+        self._resume: dict[str, tuple[int, int]] = {}
+        # (request id, first token, end) of what each write stored (filled
+        # by the updater thread, reported by the worker).
+        self._stored: collections.deque[tuple[str, int, int]] = collections.deque()
         # (request id, first token) of segments whose write failed: their
         # requests resume from there (filled by the updater thread).
         self._failed_origins: collections.deque[tuple[str, int]] = collections.deque()
@@ -529,11 +533,15 @@ class VineyardLLMCache:
         self._send(self._writer, "update", task.buffer_id, segments)
         stored_per_segment = self._receive(self._writer)["stored"]
         result = UpdateResult(0, 0)
+        bs = self.layout.block_size
         for segment, (stored, error) in zip(
             task.segments, stored_per_segment, strict=True
         ):
             stored = min(stored, len(segment.ids))
             result.blocks_written += stored
+            if stored:
+                end = segment.first_token + stored * bs
+                self._stored.append((segment.req_id, segment.first_token, end))
             if error is not None:
                 result.write_error = error
             else:
@@ -775,10 +783,16 @@ class VineyardLLMCache:
             # prefix: write again from the failed segment on.
             req_id, begin = self._failed_origins.popleft()
             if req_id in self._resume:
-                self._resume[req_id] = min(self._resume[req_id], begin)
+                origin, resume = self._resume[req_id]
+                self._resume[req_id] = (origin, min(resume, begin))
         pending: list[tuple[int, int, SaveRequest]] = []
         for req in requests:
-            begin = self._resume.setdefault(req.req_id, req.save_from)
+            origin, begin = self._resume.get(req.req_id, (req.save_from, req.save_from))
+            if req.save_from < origin:
+                # The scheduler moved the start back (a load of this request
+                # came up short on some rank): save again from there.
+                origin, begin = req.save_from, min(begin, req.save_from)
+            self._resume[req.req_id] = (origin, begin)
             computed = min(req.num_computed_tokens, len(req.block_digests) * bs)
             finished = computed // chunk * chunk
             if finished > begin:
@@ -810,7 +824,7 @@ class VineyardLLMCache:
                 )
             )
             src_blocks.extend(req.block_ids[b0:b1])
-            self._resume[req.req_id] = end
+            self._resume[req.req_id] = (self._resume[req.req_id][0], end)
 
         staging = self._pool.buffer(buffer_id)[: len(src_blocks)]
         copy_done = self._kv.gather(src_blocks, staging)
@@ -824,11 +838,18 @@ class VineyardLLMCache:
             task.done.wait(self.config.backend_timeout_s + 5.0)
         return True
 
-    def resume_from(self, req_id: str, token: int) -> None:
-        """Save a request's chunks from ``token`` on (e.g. after a short
-        load: the chunks it recomputes replace the ones that were bad)."""
-        chunk_start = token // self.chunk_size * self.chunk_size
-        self._resume[req_id] = min(self._resume.get(req_id, chunk_start), chunk_start)
+    def take_stored(self) -> list[tuple[str, int, int]]:
+        """``(req_id, first token, end)`` of each run of blocks that writes
+        stored since the last call, in write order."""
+        stored = []
+        while self._stored:
+            stored.append(self._stored.popleft())
+        return stored
+
+    def can_load(self) -> bool:
+        """Whether the reader can take a load now (not restarting, not
+        disabled): the scheduler promises no hits while it cannot."""
+        return not self._closed and self._reader is not None and self._reader.available
 
     def release(self, req_id: str) -> None:
         """Forget a request's resume point (its blocks are being freed)."""

@@ -15,6 +15,7 @@ from vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
+    flip_a_payload_byte,
     run_engine,
     standard_prompts,
 )
@@ -154,12 +155,7 @@ def _flip_a_byte_in_every_chunk(root: Path) -> int:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__temp"]
         for name in filenames:
-            path = os.path.join(dirpath, name)
-            with open(path, "r+b") as f:
-                f.seek(-200, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-200, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 0x10]))
+            flip_a_payload_byte(os.path.join(dirpath, name))
             flipped += 1
     return flipped
 

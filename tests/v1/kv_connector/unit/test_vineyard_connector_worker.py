@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from vineyard_connector_testing import (
     make_worker,
     only,
     random_tokens,
+    report_to,
     run_step,
     tp_workers,
 )
@@ -265,6 +267,11 @@ def test_one_rank_write_failure_is_retried(
     lookup = VineyardCacheLookup(config, layouts)
     digests = extend_digests([], prompt, BLOCK_SIZE)
     assert lookup.lookup(digests, 0, len(prompt)) == (0, 0)
+    # The ranks' reports reach the scheduler: it follows the minimum.
+    report_to(sched, workers)
+    state = sched._requests[req.request_id]
+    assert state.rank_saved == {0: 3 * CHUNK_SIZE, 1: 0}
+    assert state.saved == 0
 
     os.unlink(rank1_root)
     os.rename(rank1_root + ".away", rank1_root)
@@ -275,6 +282,85 @@ def test_one_rank_write_failure_is_retried(
     assert workers[0].cache.metrics.snapshot()["tokens_written"] == 3 * CHUNK_SIZE
     expect = 3 * CHUNK_SIZE
     assert lookup.lookup(digests, 0, len(prompt)) == (expect, expect)
+    report_to(sched, workers)
+    assert state.saved == 3 * CHUNK_SIZE
+
+
+def test_short_load_on_one_rank_saves_again_on_every_rank(
+    rank_workers: tuple[VineyardLLMCacheConfig, list[WorkerHarness]],
+) -> None:
+    """TP=2, rank 0's chunk 1 is bit-rotted between the lookup and the load:
+    rank 0's load comes up short, rank 1's does not. vLLM recomputes from
+    the bad block on both ranks; the scheduler moves the request's saves
+    back to that chunk on every rank (rank 0 writes it again, rank 1's
+    rewrite is a no-op), and a later request loads the whole prefix on
+    both ranks, with rank 0's original bytes."""
+    config, workers = rank_workers
+    layouts = [w.layout for w in workers]
+    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    sched = make_scheduler(config, layouts)
+    first = make_request("tp-first", prompt)
+    admit(sched, first)
+    blocks = list(range(7))
+    original = [w.kv[:, 0:6].clone() for w in workers]
+    run_step(sched, Step(new=[(first, blocks, first.num_tokens)]), workers)
+    for w in workers:
+        w.wait_for_writes()
+        w.worker.get_finished({first.request_id})
+
+    second = make_request("tp-second", prompt)
+    assert admit(sched, second) == 3 * CHUNK_SIZE
+    _flip_payload_byte(chunk_path(workers[0], prompt, 1))
+    step = Step(new=[(second, list(range(20, 27)), 1)])
+    run_step(sched, step, workers)
+    assert step.load_errors == set(range(20 + BLOCKS_PER_CHUNK, 26))
+    assert second.num_computed_tokens == CHUNK_SIZE + 1
+    state = sched._requests[second.request_id]
+    assert state.save_from == CHUNK_SIZE
+    # vLLM recomputes chunks 1-2 (the same KV as before) and saves them.
+    for w, kv in zip(workers, original, strict=True):
+        w.kv[:, 20:26] = kv
+    second.num_computed_tokens = CHUNK_SIZE
+    run_step(sched, Step(running=[(second, [], 2 * CHUNK_SIZE + 1)]), workers)
+    for w in workers:
+        w.wait_for_writes()
+    report_to(sched, workers)
+    assert state.rank_saved == {0: 3 * CHUNK_SIZE, 1: 3 * CHUNK_SIZE}
+
+    third = make_request("tp-third", prompt)
+    assert admit(make_scheduler(config, layouts), third) == 3 * CHUNK_SIZE
+    sched3 = make_scheduler(config, layouts)
+    admit(sched3, third)
+    step3 = Step(new=[(third, list(range(40, 47)), 1)])
+    run_step(sched3, step3, workers)
+    assert step3.load_errors == set()
+    for w, kv in zip(workers, original, strict=True):
+        assert torch.equal(w.kv[:, 40:46], kv)
+
+
+def test_no_hits_are_promised_while_a_rank_cannot_load(
+    rank_workers: tuple[VineyardLLMCacheConfig, list[WorkerHarness]],
+) -> None:
+    """Rank 1's reader is disabled: its report makes the scheduler promise
+    no hits (the lookup still finds the prefix); once it can load again,
+    hits are promised again."""
+    config, workers = rank_workers
+    layouts = [w.layout for w in workers]
+    prompt = random_tokens(2 * CHUNK_SIZE + 1)
+    sched = make_scheduler(config, layouts)
+    first = make_request("down-first", prompt)
+    admit(sched, first)
+    run_step(sched, Step(new=[(first, list(range(5)), first.num_tokens)]), workers)
+    for w in workers:
+        w.wait_for_writes()
+    reader = workers[1].cache._reader
+    assert reader is not None
+    reader._disabled = ("disabled by the test", time.monotonic())
+    report_to(sched, workers)
+    assert admit(sched, make_request("down-second", prompt)) == 0
+    reader._disabled = None
+    report_to(sched, workers)
+    assert admit(sched, make_request("down-third", prompt)) == 2 * CHUNK_SIZE
 
 
 def test_abort_during_a_load_stops_its_writes(

@@ -39,6 +39,7 @@ from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_connector_metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
+    VineyardWorkerReport,
 )
 from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
 from vllm.worker.vineyard_connector_worker import VineyardConnectorWorker
@@ -320,7 +321,11 @@ def load_step(
             time.sleep(0.001)
         invalid |= w.worker.take_load_errors()
     sched.update_connector_output(
-        KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=invalid)
+        KVConnectorOutput(
+            finished_recving={req.request_id},
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=reports(workers),
+        )
     )
     bad = [i for i, b in enumerate(blocks) if b in invalid]
     if bad:
@@ -344,7 +349,30 @@ def run_step(
     for w in workers:
         w.step(meta)
     step.advance()
+    report_to(sched, workers)
     return meta
+
+
+def reports(workers: Sequence[WorkerHarness]) -> VineyardWorkerReport | None:
+    """The workers' reports of a step, combined as vLLM's
+    ``KVOutputAggregator`` does (a rank with nothing to say sends None)."""
+    combined: VineyardWorkerReport | None = None
+    for w in workers:
+        report = w.worker.build_report()
+        if combined is None:
+            combined = report
+        elif report is not None:
+            combined = combined.aggregate(report)
+    return combined
+
+
+def report_to(
+    sched: VineyardConnectorScheduler, workers: Sequence[WorkerHarness]
+) -> None:
+    """The end of a step: the workers' reports reach the scheduler."""
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=reports(workers))
+    )
 
 
 def only(meta: VineyardConnectorMetadata) -> RequestDelta:
