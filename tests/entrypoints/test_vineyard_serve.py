@@ -18,190 +18,27 @@ servers start side by side (their startup is most of the time).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from script_testing import ROOT, clean_env, load_script
+from vineyard_serve_testing import (
+    DOCUMENT_TOKENS,
+    EXIT_BOUND_S,
+    QUESTIONS,
+    STARTUP_TIMEOUT_S,
+    Server,
+    prepare_model,
+)
 from vineyard_testing import engine_cpu, other_cpu
 
 pytestmark = pytest.mark.engine
 
-EXAMPLES = ROOT / "examples" / "offline_inference"
-# Three servers start at once: on a loaded two-core machine that can take
-# minutes (about a minute when it is otherwise idle).
-STARTUP_TIMEOUT_S = 420
-REQUEST_TIMEOUT_S = 120
-#: Longest orderly exit after SIGINT (the cache's drain timeout is 5 s).
-EXIT_BOUND_S = 60
-#: Longest wait for background writes to be reported.
-SETTLE_S = 60
-#: Tokens of the shared document a chat must at least look up, save and
-#: then load (the document is ~680 tokens; the chunk is the default block).
-DOCUMENT_TOKENS = 512
-QUESTIONS = [
-    "How many items can a member borrow at the same time?",
-    "How long can a DVD be borrowed?",
-]
-
-
-def _system_document() -> str:
-    """Sections 1-3 of the example's handbook, ~680 tokens."""
-    text = (EXAMPLES / "vineyard_shared_document.md").read_text()
-    return text[: text.index("## 4.")]
-
-
-def server_counter(url: str, name: str) -> float:
-    """A ``vllm:vineyard_cache_*`` counter as a server's /metrics shows it
-    (summed over its label sets)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"vllm:vineyard_cache_{name}_total{{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``vllm serve``, started now; ``wait_ready()`` waits for /health."""
-
-    def __init__(
-        self, name: str, model: str, tmp_path: Path, cache_root: Path | None, cpu: int
-    ):
-        self.name = name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / f"{name}.log"
-        env = clean_env()
-        env.update(
-            HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=str(cpu),
-        )
-        if cache_root is not None:
-            env.update(VLLM_USE_VINEYARD_CACHE="1", VINEYARD_CACHE_ROOT=str(cache_root))
-        vllm_cli = str(Path(sys.executable).parent / "vllm")
-        cmd = [vllm_cli, "serve", model, "--served-model-name", "smollm2"]
-        cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
-        cmd += ["--no-enable-prefix-caching"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        # A session of its own: stop() can end the engine processes too.
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = self.log_path.read_text()[-6000:]
-                raise AssertionError(f"{self.name} exited during startup:\n{log}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(f"{self.name} not healthy after {STARTUP_TIMEOUT_S} s")
-
-    def ask(self, question: str) -> str:
-        """One user's chat completion: the shared document, then a
-        question."""
-        body = {
-            "model": "smollm2",
-            "messages": [
-                {"role": "system", "content": _system_document()},
-                {
-                    "role": "user",
-                    "content": f"According to the handbook: {question} "
-                    "Answer in one sentence.",
-                },
-            ],
-            "max_tokens": 24,
-            "temperature": 0,
-        }
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.load(r)["choices"][0]["message"]["content"]
-
-    def metric(self, name: str) -> float:
-        return server_counter(self.url, name)
-
-    def settle(self) -> bool:
-        """Wait until every update handed to the background writer is
-        reported done (completed, failed or dropped). Workers report their
-        counters with an engine step, so a one-token request steps it."""
-        deadline = time.monotonic() + SETTLE_S
-        while time.monotonic() < deadline:
-            done = sum(
-                self.metric(f"updates_{outcome}")
-                for outcome in ("completed", "failed", "dropped")
-            )
-            if done >= self.metric("updates_submitted"):
-                return True
-            self.complete_one_token()
-            time.sleep(0.2)
-        return False
-
-    def complete_one_token(self) -> None:
-        body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 1}
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S):
-            pass
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> bool:
-        """SIGINT, as a user's Ctrl-C; whether the server exited by itself
-        within :data:`EXIT_BOUND_S` (else it is killed)."""
-        exited = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # drains the cache's writes
-            try:
-                self.proc.wait(timeout=EXIT_BOUND_S)
-            except subprocess.TimeoutExpired:
-                exited = False
-        # Whatever is left of this server (an engine process orphaned by a
-        # failed startup, a cache backend).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._log.close()
-        return exited
-
 
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[dict[str, Server]]:
-    module = load_script(EXAMPLES / "vineyard_real_model.py", "vineyard_real_model")
-    model = module.prepare_model()
+    model = prepare_model()
     started = {
         "cache": Server("cache", model, tmp_path, tmp_path / "cache", engine_cpu()),
         "no-cache": Server("no-cache", model, tmp_path, None, other_cpu()),

@@ -11,8 +11,10 @@ background sweeps are kept out of the way (a long interval, a huge limit).
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +28,9 @@ from vineyard_disk_testing import (
     open_cache,
 )
 
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
+from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
+from vllm.worker.vineyard_root import MANIFEST, write_manifest
+from vllm.worker.vineyard_store import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
 from vllm.worker.vineyard_sweeper import (
     EMPTY_DIR_MIN_AGE_S,
     HIGH_WATER,
@@ -40,13 +44,31 @@ CHUNK_BYTES = 8192  # two filesystem blocks: size on disk == file size
 LONG_AGO = 10_000.0
 
 
+def namespace(k: int = 0) -> str:
+    """A namespace directory's name (the sweeper touches nothing else)."""
+    return f"v2-model{k}-0123456789abcdef-c32-tp1r0-nokey"
+
+
+NS = namespace()
+
+
 def sweeper(root: Path, limit_chunks: float = 1e6, ttl_s: float = 0.0) -> RootSweeper:
     return RootSweeper(str(root), int(limit_chunks * CHUNK_BYTES), ttl_s, 3600.0)
 
 
+def chunk_bytes(size: int) -> bytes:
+    """A file shaped as a chunk (no manifest: its header fits its size, it
+    ends in a trailer), of ``size`` bytes."""
+    if size == 0:
+        return b""
+    header = struct.pack("<ii", 1, 1)
+    trailer = MAGIC_PREFIX.ljust(TRAILER_BYTES, b"\0")
+    return header + b"\1" * (size - len(header) - len(trailer)) + trailer
+
+
 def put_file(path: Path, mtime: float, size: int = CHUNK_BYTES) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"\1" * size)
+    path.write_bytes(chunk_bytes(size))
     os.utime(path, (mtime, mtime))
     return path
 
@@ -68,9 +90,9 @@ def age_tree(root: Path | str, mtime: float) -> None:
             age(os.path.join(dirpath, name), mtime)
 
 
-def chunk_path(root: Path, i: int, namespace: str = "ns") -> Path:
+def chunk_path(root: Path, i: int, ns: str = NS) -> Path:
     name = f"{i:08x}"
-    return root / namespace / name[0:2] / name[2:4] / name[4:6] / name[6:8]
+    return root / ns / name[0:2] / name[2:4] / name[4:6] / name[6:8]
 
 
 # --------------------------------------------------------------------------
@@ -84,7 +106,7 @@ def test_lru_evicts_least_recently_used_down_to_low_water(tmp_path: Path) -> Non
     gauges report what is left."""
     now = time.time()
     paths = [
-        put_file(chunk_path(tmp_path, i, f"ns{i % 3}"), now - 1000 + 10 * i)
+        put_file(chunk_path(tmp_path, i, namespace(i % 3)), now - 1000 + 10 * i)
         for i in range(20)
     ]
     s = sweeper(tmp_path, limit_chunks=10)
@@ -157,7 +179,7 @@ def test_temp_leftovers_and_placeholders(tmp_path: Path) -> None:
     old empty placeholders at chunk paths are removed; young ones are live
     writes and stay. Nothing in ``__temp`` counts as a chunk."""
     now = time.time()
-    temp = tmp_path / "ns" / TEMP_DIR / "pod-1"
+    temp = tmp_path / NS / TEMP_DIR / "pod-1"
     old_temp = put_file(temp / "11-1" / "aa" / "bb" / "cc", now - TEMP_MAX_AGE_S - 5)
     young_temp = put_file(temp / "11-2" / "aa" / "bb" / "dd", now - 5)
     old_empty = put_file(chunk_path(tmp_path, 1), now - TEMP_MAX_AGE_S - 5, 0)
@@ -177,9 +199,9 @@ def test_empty_directories(tmp_path: Path) -> None:
     leaves one per write under ``__temp``); young ones and folders that
     hold anything stay; the root itself always stays."""
     now = time.time()
-    old_tree = tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-1" / "aa" / "bb"
-    young_tree = tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-2" / "aa" / "bb"
-    other_ns = tmp_path / "other" / "aa" / "bb" / "cc"
+    old_tree = tmp_path / NS / TEMP_DIR / "pod-1" / "11-1" / "aa" / "bb"
+    young_tree = tmp_path / NS / TEMP_DIR / "pod-1" / "11-2" / "aa" / "bb"
+    other_ns = tmp_path / namespace(1) / "aa" / "bb" / "cc"
     for d in (old_tree, young_tree, other_ns):
         d.mkdir(parents=True)
     chunk = put_file(chunk_path(tmp_path, 7), now)
@@ -190,8 +212,8 @@ def test_empty_directories(tmp_path: Path) -> None:
     age(young_parent, now - 1)
     s = sweeper(tmp_path)
     s.sweep(now)
-    assert not (tmp_path / "ns" / TEMP_DIR / "pod-1" / "11-1").exists()
-    assert not (tmp_path / "other").exists()  # a whole empty namespace
+    assert not (tmp_path / NS / TEMP_DIR / "pod-1" / "11-1").exists()
+    assert not (tmp_path / namespace(1)).exists()  # a whole empty namespace
     assert young_tree.exists() and chunk.exists()
     assert s.take_stats()["orphans_removed"] == 3 + 4  # 11-1/aa/bb, other/...
     # Everything gone and old: the root stays (the writers' mkdir target).
@@ -208,8 +230,8 @@ def test_two_sweepers_at_once_keep_live_data(tmp_path: Path) -> None:
     now = time.time()
     old = [put_file(chunk_path(tmp_path, i), now - LONG_AGO + i) for i in range(150)]
     for i in range(0, 150, 3):  # empty leftovers to race on, too
-        (tmp_path / "ns" / TEMP_DIR / f"p{i}" / "aa").mkdir(parents=True)
-    age_tree(tmp_path / "ns" / TEMP_DIR, now - LONG_AGO)
+        (tmp_path / NS / TEMP_DIR / f"p{i}" / "aa").mkdir(parents=True)
+    age_tree(tmp_path / NS / TEMP_DIR, now - LONG_AGO)
     sweepers = [sweeper(tmp_path, limit_chunks=40) for _ in range(2)]
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -239,7 +261,79 @@ def test_two_sweepers_at_once_keep_live_data(tmp_path: Path) -> None:
     assert sum(st["evicted_chunks"] for st in stats) == gone
     left = len(chunk_files(tmp_path))
     assert left * CHUNK_BYTES <= HIGH_WATER * 40 * CHUNK_BYTES
-    assert not (tmp_path / "ns" / TEMP_DIR / "p0").exists()
+    assert not (tmp_path / NS / TEMP_DIR / "p0").exists()
+
+
+def test_what_is_not_the_caches_survives_every_sweep(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget of one byte and a TTL of 1 s: every chunk goes, but files
+    outside namespaces, links (at the root, at chunk paths, in ``__temp``),
+    files of other names or shapes inside a namespace, a foreign empty
+    folder tree and the manifest all stay, old as they are. Each is logged
+    once."""
+    now = time.time()
+    old = now - LONG_AGO
+    chunks = [put_file(chunk_path(tmp_path, i), old) for i in range(3)]
+    # A namespace with a manifest: its chunks are told by their size.
+    layout = KVCacheLayout(
+        "m", "float32", 2, 2, 16, 16, 4096, "CPU_ATTN", 32, key_id="nokey"
+    )
+    files = ChunkFiles(str(tmp_path / layout.namespace), 2, layout.entry_bytes)
+    assert write_manifest(files.root, layout)
+    manifest = Path(files.root) / MANIFEST
+    sized = [
+        put_file(Path(files.path([i, i + 1])), old, files.file_bytes(2)) for i in (1, 3)
+    ]
+    cut = put_file(Path(files.path([5, 6])), old, files.file_bytes(2) - 100)
+    kept = [
+        cut,
+        put_file(tmp_path / "notes.txt", old),
+        put_file(tmp_path / "other" / "dir" / "file", old),
+        put_file(tmp_path / NS / "README", old),
+        put_file(chunk_path(tmp_path, 9).with_name("zz"), old),  # not hex
+    ]
+    empty_foreign = tmp_path / "empty" / "aa" / "bb"
+    empty_foreign.mkdir(parents=True)
+    links = [tmp_path / "link", chunk_path(tmp_path, 7), tmp_path / NS / TEMP_DIR / "l"]
+    for link in links:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(chunks[0])
+    for path in [*kept, *links, manifest, empty_foreign, empty_foreign.parent]:
+        os.utime(path, (old, old), follow_symlinks=False)
+
+    s = RootSweeper(str(tmp_path), 1, ttl_s=1.0, interval_s=3600.0)
+    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+        s.sweep(now + 10 * TEMP_MAX_AGE_S)
+        s.sweep(now + 20 * TEMP_MAX_AGE_S)
+    assert not any(p.exists() for p in chunks + sized)
+    assert all(p.exists() for p in kept) and manifest.exists()
+    assert all(p.is_symlink() for p in links) and empty_foreign.is_dir()
+    assert layout.namespace in os.listdir(tmp_path)
+    stats = s.take_stats()
+    assert stats["expired_chunks"] == 5 and stats["root_chunks"] == 0
+    # Logged in the first sweep only, every one of them.
+    (record,) = [r for r in caplog.records if "leaves alone" in r.getMessage()]
+    message = record.getMessage()
+    assert "leaves alone 9 entries" in message and "verify" in message
+
+
+def test_old_format_namespaces_are_still_swept(tmp_path: Path) -> None:
+    """Chunks of a format 1 namespace (no trailers) still expire and are
+    evicted like any other; a file there that its header does not fit
+    stays."""
+    now = time.time()
+    legacy = "test-model-0123456789abcdef-tp1r0"
+    old = put_file(chunk_path(tmp_path, 1, legacy), now - LONG_AGO)
+    old.write_bytes(struct.pack("<ii", 1, 7) + b"\1" * 100)  # no trailer
+    age(old, now - LONG_AGO)
+    bad = put_file(chunk_path(tmp_path, 2, legacy), now - LONG_AGO)
+    bad.write_bytes(struct.pack("<i", 1000) + b"\1" * 100)  # n too large
+    age(bad, now - LONG_AGO)
+    s = sweeper(tmp_path, ttl_s=60.0)
+    s.sweep(now)
+    assert not old.exists() and bad.exists()
+    assert s.take_stats()["expired_chunks"] == 1
 
 
 # --------------------------------------------------------------------------
@@ -344,8 +438,12 @@ def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None
     s.sweep(later)  # the chunks expire ...
     assert chunk_files(root) == []
     s.sweep(later)  # ... and the folders they leave go the next pass
-    assert os.path.isdir(root) and os.listdir(root) == []
-    assert not os.path.exists(h.files.root)
+    # Only the namespace's manifest stays (never removed), if it has one.
+    namespace_dir = h.files.root
+    assert os.path.isdir(root)
+    assert os.listdir(root) in ([], [os.path.basename(namespace_dir)])
+    if os.path.exists(namespace_dir):
+        assert os.listdir(namespace_dir) == [MANIFEST]
     h.reset_counters()
     h.write(second)
     counters = h.counters()

@@ -242,6 +242,7 @@ class _VineyardServer:
         self._stats = dict.fromkeys(
             ("bytes_read", "bytes_written", "corrupt_chunks", "write_errors"), 0
         )
+        self._removed: list[str] = []  # corrupt chunk files removed
         self._sweeper: Any = None
         if spec.sweep:
             self._sweeper = sweeper.RootSweeper(
@@ -315,7 +316,8 @@ class _VineyardServer:
         elif found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc]):
             bad_end = found + bpc  # on disk, complete, yet unreadable
         if bad_end is not None:
-            self._files.remove(prefix + ids[:bad_end])
+            if self._files.remove(prefix + ids[:bad_end]):
+                self._removed.append(self._files.path(prefix + ids[:bad_end]))
             self._stats["corrupt_chunks"] += 1
             logger.warning(
                 "vineyard cache chunk failed verification and was removed "
@@ -326,10 +328,16 @@ class _VineyardServer:
         self._files.touch(prefix + ids, len(prefix) // bpc, good // bpc)
         return {"verified": good, "stats": self.take_stats()}
 
-    def take_stats(self) -> dict[str, int]:
-        stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+    def take_stats(self) -> dict[str, Any]:
+        """Counters since the last call, and ``removed_paths``: the chunk
+        files removed meanwhile (corrupt, expired, evicted)."""
+        stats: dict[str, Any] = self._stats
+        self._stats = dict.fromkeys(self._stats, 0)
+        removed, self._removed = self._removed, []
         if self._sweeper is not None:
             stats.update(self._sweeper.take_stats())
+            removed += self._sweeper.take_removed()
+        stats["removed_paths"] = removed
         return stats
 
     def handle(self, request: tuple[Any, ...]) -> Any:

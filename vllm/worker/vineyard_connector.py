@@ -31,7 +31,10 @@ from vllm.worker.vineyard_metrics import VineyardConnectorStats, VineyardPromMet
 from vllm.worker.vineyard_store import key_id, load_auth_key
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -86,11 +89,13 @@ class VineyardConnector(KVConnectorBase_V1):
                     policy,
                 )
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            events = vllm_config.kv_events_config
             self._scheduler = VineyardConnectorScheduler(
                 self.config,
                 self.block_size,
                 self.chunk_size,
                 vllm_config.parallel_config.tensor_parallel_size,
+                publish_events=bool(events and events.enable_kv_cache_events),
             )
         else:
             self._worker = VineyardConnectorWorker(
@@ -244,6 +249,14 @@ class VineyardConnector(KVConnectorBase_V1):
     ) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def reset_cache(self) -> bool | None:
+        """Remove this instance's chunks from the root (see
+        :meth:`VineyardConnectorScheduler.reset_cache`)."""
+        return self._scheduler.reset_cache() if self._scheduler else None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events() if self._scheduler else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

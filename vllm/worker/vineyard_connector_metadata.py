@@ -53,15 +53,18 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
     """Each TP rank's news after a step, combined over ranks by vLLM
     (:meth:`aggregate`): the scheduler decides on the minimum."""
 
-    # rank -> request -> tokens from 0 that the rank has in vineyard now
-    # (only requests whose figure changed)
-    saved: dict[int, dict[str, int]] = field(default_factory=dict)
+    # rank -> (request, first token, end) of each run of tokens its writes
+    # stored since the last report, in write order
+    stored: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     # rank -> whether its reader can load now (only when it changed)
     can_load: dict[int, bool] = field(default_factory=dict)
+    # chunk files that the ranks' sweeps or readers removed (KV events)
+    removed: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> VineyardWorkerReport:
         assert isinstance(other, VineyardWorkerReport)
         return VineyardWorkerReport(
-            saved={**self.saved, **other.saved},
+            stored={**self.stored, **other.stored},
             can_load={**self.can_load, **other.can_load},
+            removed=self.removed + other.removed,
         )

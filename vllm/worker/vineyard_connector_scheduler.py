@@ -20,6 +20,8 @@ over ranks by vLLM); the scheduler follows the minimum over ranks.
 
 from __future__ import annotations
 
+import collections
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,11 +35,14 @@ from vllm.worker.vineyard_connector_metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard_events import StorageEvents
 from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard_root import remove_file, scan_root
 from vllm.worker.vineyard_store import extend_digests
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata,
     )
@@ -49,6 +54,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 NEVER = 1 << 62  # save_from of requests that must not be cached
+#: Finished requests kept for the KV events of their last writes, at most.
+MAX_FINISHED_TRACKED = 4096
 
 
 def cacheable(request: Request) -> bool:
@@ -75,13 +82,26 @@ class _RequestState:
     # (vLLM asks again after a failed load; the same promise would fail).
     max_hit: int = NEVER
     blocks_replaced: bool = True  # the next delta carries the full block list
-    rank_saved: dict[int, int] = field(default_factory=dict)  # as reported
+    found: int = 0  # tokens from 0 the lookup found on every rank
+    rank_saved: dict[int, int] = field(default_factory=dict)  # from reports
     saved: int = 0  # tokens from 0 in vineyard on every rank
+    announced: int = 0  # blocks announced by a KV event
 
-    def record_saved(self, rank: int, tokens: int, tp_size: int) -> None:
-        self.rank_saved[rank] = tokens
-        if len(self.rank_saved) == tp_size:
-            self.saved = min(self.rank_saved.values())
+    def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
+        """A rank's write stored tokens ``[begin, end)`` (writes finish in
+        order, so the rank's saved prefix grows when a run continues it)."""
+        saved = self.rank_saved.get(rank, self.found)
+        if begin <= saved < end:
+            self.rank_saved[rank] = end
+        self.saved = min(self.rank_saved.get(r, self.found) for r in range(tp_size))
+
+    def rewind(self, token: int) -> None:
+        """Everything from ``token`` on is to be saved again."""
+        self.save_from = min(self.save_from, token)
+        self.found = min(self.found, token)
+        self.saved = min(self.saved, token)
+        for rank, saved in self.rank_saved.items():
+            self.rank_saved[rank] = min(saved, token)
 
     def take_digests(self, num_tokens: int, block_size: int) -> list[bytes]:
         """The digests of the first ``num_tokens`` tokens' complete blocks
@@ -112,13 +132,21 @@ class VineyardConnectorScheduler:
         block_size: int,
         chunk_size: int,
         tp_size: int,
+        publish_events: bool = False,
     ) -> None:
         self.config = config
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._tp_size = tp_size
+        self._publish_events = publish_events
+        self._events: StorageEvents | None = None
         self._lookup: BackgroundLookups | None = None
         self._requests: dict[str, _RequestState] = {}
+        self._namespaces: list[str] = []  # every rank's, once handshaken
+        # Finished requests whose writes may still be reported (KV events).
+        self._finished: collections.OrderedDict[str, _RequestState] = (
+            collections.OrderedDict()
+        )
         self._ranks_that_cannot_load: set[int] = set()
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
 
@@ -141,9 +169,14 @@ class VineyardConnectorScheduler:
         for _, handshake in sorted(metadata.items()):
             assert isinstance(handshake, VineyardHandshake)
             layouts.append(handshake.layout)
+        self._namespaces = [layout.namespace for layout in layouts]
         self._lookup = BackgroundLookups(
             VineyardCacheLookup(self.config, layouts), self.config.lookup_timeout_s
         )
+        if self._publish_events:
+            self._events = StorageEvents(
+                self.block_size, [layout.files(self.config.root) for layout in layouts]
+            )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -166,7 +199,8 @@ class VineyardConnectorScheduler:
             return None, False  # ask again next step
         num_hit, save_from = found
         if state.digests_sent == 0:
-            state.save_from = state.saved = save_from
+            state.save_from = state.found = state.saved = save_from
+            self._announce(state)  # found on the root
         num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
@@ -196,9 +230,7 @@ class VineyardConnectorScheduler:
                 for b in range(start // bs, end // bs):
                     if state.load_blocks[b] in output.invalid_block_ids:
                         state.max_hit = min(state.max_hit, b * bs)
-                        first = b * bs // self.chunk_size * self.chunk_size
-                        state.save_from = min(state.save_from, first)
-                        state.saved = min(state.saved, first)
+                        state.rewind(b * bs // self.chunk_size * self.chunk_size)
                         break
         for req_id in output.finished_recving or ():
             finished = self._requests.get(req_id)
@@ -209,11 +241,14 @@ class VineyardConnectorScheduler:
             self._apply_report(report)
 
     def _apply_report(self, report: VineyardWorkerReport) -> None:
-        for rank, saved in report.saved.items():
-            for req_id, tokens in saved.items():
-                state = self._requests.get(req_id)
+        for rank, runs in report.stored.items():
+            for req_id, begin, end in runs:
+                state = self._requests.get(req_id) or self._finished.get(req_id)
                 if state is not None:
-                    state.record_saved(rank, tokens, self._tp_size)
+                    state.record_stored(rank, begin, end, self._tp_size)
+                    self._announce(state)
+        if report.removed and self._events is not None:
+            self._events.removed(report.removed)
         for rank, can_load in report.can_load.items():
             if can_load:
                 self._ranks_that_cannot_load.discard(rank)
@@ -224,6 +259,18 @@ class VineyardConnectorScheduler:
                     "are promised until it is back",
                     rank,
                 )
+
+    def _announce(self, state: _RequestState) -> None:
+        """A KV event for the request's blocks newly known to be saved."""
+        end = state.saved // self.block_size
+        if self._events is None or end <= state.announced:
+            return
+        digests = state.digests_up_to(end * self.block_size, self.block_size)
+        self._events.stored(state.request, digests, state.announced, end)
+        state.announced = end
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._events.take() if self._events is not None else []
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
@@ -283,8 +330,49 @@ class VineyardConnectorScheduler:
             state.loading, state.load = state.load, None
         return meta
 
+    def reset_cache(self) -> bool:
+        """Remove this instance's chunks from the root: those of the
+        namespaces its TP ranks use (shared with other instances that serve
+        the same model with the same settings; other models' and settings'
+        namespaces are left alone). Running requests save again from their
+        first chunk. Whether every chunk could be removed."""
+        if self._lookup is None:
+            return True  # the cache is off: nothing of ours is there
+        root = self.config.root
+        mine = set(self._namespaces)
+        scan = scan_root(root)
+        gone: list[str] = []
+        left = 0
+        for chunk in scan.chunks:
+            if chunk.namespace not in mine:
+                continue
+            if remove_file(root, chunk.path, chunk.ino):
+                gone.append(chunk.path)
+            elif os.path.lexists(chunk.path):
+                left += 1
+        if self._events is not None:
+            self._events.removed(gone)
+            self._events.removed_all()
+        self._finished.clear()
+        for state in self._requests.values():
+            if state.save_from != NEVER:
+                state.rewind(0)
+                state.announced = 0
+        logger.info(
+            "vineyard cache reset: %d chunk file(s) removed from %s%s",
+            len(gone),
+            ", ".join(sorted(mine)),
+            f"; {left} could not be removed" if left else "",
+        )
+        return left == 0
+
     def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is not None and state.save_from != NEVER and self._events is not None:
+            # Its last writes are reported after it finished: announce them.
+            self._finished[request.request_id] = state
+            while len(self._finished) > MAX_FINISHED_TRACKED:
+                self._finished.popitem(last=False)
         if self._lookup is not None:
             self._lookup.forget(request.request_id)
 

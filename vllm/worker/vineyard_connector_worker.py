@@ -10,8 +10,8 @@ loaded (:meth:`take_load_errors`), while the requests wait in vLLM's
 ``WAITING_FOR_REMOTE_KVS``. After the forward pass (:meth:`wait_for_save`)
 it stages the newly completed chunks into a pool buffer and returns at once
 while the backend writes them. After each step the worker reports to the
-scheduler (:meth:`build_report`) how far each request is saved on this
-rank and whether its reader can load: no step runs a collective; the
+scheduler (:meth:`build_report`) what this rank's writes stored and
+whether its reader can load: no step runs a collective; the
 scheduler decides on the minimum over ranks.
 """
 
@@ -41,8 +41,6 @@ logger = init_logger(__name__)
 class _WorkerRequest:
     digests: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # tokens from 0 this rank has in vineyard
-    reported: int = -1  # ``saved`` as last reported
 
 
 def kv_layout_name(kv: torch.Tensor) -> str:
@@ -101,12 +99,7 @@ class VineyardConnectorWorker:
 
     def _update_requests(self, meta: VineyardConnectorMetadata) -> None:
         for delta in meta.requests:
-            state = self._requests.get(delta.req_id)
-            if state is None:
-                # What the lookup found on every rank is saved already.
-                state = self._requests[delta.req_id] = _WorkerRequest(
-                    saved=delta.save_from
-                )
+            state = self._requests.setdefault(delta.req_id, _WorkerRequest())
             state.digests.extend(delta.new_digests)
             if delta.replace_blocks:
                 state.block_ids = list(delta.block_ids)
@@ -159,7 +152,6 @@ class VineyardConnectorWorker:
                     # vLLM recomputes from the first of these blocks, and
                     # the scheduler has them saved again on every rank.
                     self._load_errors.update(state.block_ids[loaded // bs : end // bs])
-                    state.saved = min(state.saved, loaded)
         for req_id in finished_req_ids:
             self._requests.pop(req_id, None)
             if self.cache is not None:
@@ -167,31 +159,22 @@ class VineyardConnectorWorker:
         return finished_loading
 
     def build_report(self) -> VineyardWorkerReport | None:
-        """What changed since the last report: how far each request is
-        saved on this rank (from the writes that finished), and whether
-        the reader can load."""
+        """What happened since the last report: what this rank's writes
+        stored (also of requests that finished meanwhile), whether its
+        reader can load, and which chunk files were removed."""
         if self.cache is None:
             return None
-        for req_id, begin, end in self.cache.take_stored():
-            state = self._requests.get(req_id)
-            if state is not None and begin <= state.saved < end:
-                state.saved = end  # writes finish in order
         rank = self.cache.layout.tp_rank
         report = VineyardWorkerReport()
-        saved = {
-            req_id: state.saved
-            for req_id, state in self._requests.items()
-            if state.saved != state.reported
-        }
-        for req_id, tokens in saved.items():
-            self._requests[req_id].reported = tokens
-        if saved:
-            report.saved[rank] = saved
+        stored = self.cache.take_stored()
+        if stored:
+            report.stored[rank] = stored
         can_load = self.cache.can_load()
         if can_load != self._could_load:
             self._could_load = can_load
             report.can_load[rank] = can_load
-        return report if report.saved or report.can_load else None
+        report.removed = self.cache.take_removed_paths()
+        return report if report.stored or report.can_load or report.removed else None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

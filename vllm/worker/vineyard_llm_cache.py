@@ -38,6 +38,7 @@ from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
 from vllm.worker.vineyard_kv_copy import KVBlockCopier
 from vllm.worker.vineyard_lookup import KVCacheLayout
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard_root import write_manifest
 from vllm.worker.vineyard_store import synthetic_ids
 
 logger = init_logger(__name__)
@@ -445,6 +446,8 @@ class VineyardLLMCache:
         # (request id, first token, end) of what each write stored (filled
         # by the updater thread, reported by the worker).
         self._stored: collections.deque[tuple[str, int, int]] = collections.deque()
+        # Chunk files the backends removed (reported by the worker).
+        self._removed_paths: collections.deque[str] = collections.deque()
         # (request id, first token) of segments whose write failed: their
         # requests resume from there (filled by the updater thread).
         self._failed_origins: collections.deque[tuple[str, int]] = collections.deque()
@@ -526,6 +529,8 @@ class VineyardLLMCache:
         except BackendError:
             self.close()
             raise
+        # Tools (vineyard-llm-cache) read the layout from it; never raises.
+        write_manifest(self.files.root, layout, config.group_access)
         self._updater = _AsyncUpdater(
             self._write_to_backend,
             self._pool,
@@ -561,8 +566,12 @@ class VineyardLLMCache:
     def _receive(self, backend: BackendProcess, timeout_s: float | None = None) -> Any:
         reply = backend.receive(timeout_s)
         if isinstance(reply, dict):
-            self.metrics.record(reply.pop("stats", {}))
+            self._record(reply.pop("stats", {}))
         return reply
+
+    def _record(self, stats: dict[str, Any]) -> None:
+        self._removed_paths.extend(stats.pop("removed_paths", ()))
+        self.metrics.record(stats)
 
     def _write_to_backend(self, task: _UpdateTask) -> UpdateResult:
         assert self._writer is not None
@@ -588,7 +597,7 @@ class VineyardLLMCache:
     def _poll_writer_stats(self) -> None:
         if self._writer is not None and self._writer.disabled_reason is None:
             self._send(self._writer, "stats")
-            self.metrics.record(self._receive(self._writer))
+            self._record(self._receive(self._writer))
 
     def _rewind(self, task: _UpdateTask) -> None:
         self._failed_origins.extend((s.req_id, s.first_token) for s in task.segments)
@@ -882,6 +891,14 @@ class VineyardLLMCache:
         while self._stored:
             stored.append(self._stored.popleft())
         return stored
+
+    def take_removed_paths(self) -> list[str]:
+        """Chunk files removed from the root since the last call (by this
+        rank's sweeps, or found corrupt by its reader)."""
+        removed = []
+        while self._removed_paths:
+            removed.append(self._removed_paths.popleft())
+        return removed
 
     def can_load(self) -> bool:
         """Whether the reader can take a load now (not restarting, not

@@ -138,6 +138,24 @@ class VineyardCacheLookup:
         that block is used in part. ``save_from`` is the end of the cached
         chunks, where the request's saves start.
         """
+        num_hit, save_from = self.find(digests, num_local_tokens, num_tokens)
+        self.count(num_local_tokens, num_tokens, len(digests), num_hit)
+        return num_hit, save_from
+
+    def count(
+        self, num_local_tokens: int, num_tokens: int, num_digests: int, num_hit: int
+    ) -> None:
+        """Count a lookup's answer, once the scheduler takes it."""
+        want_blocks = min((num_tokens - 1) // self.block_size, num_digests)
+        query = max(0, want_blocks * self.block_size - num_local_tokens)
+        self.metrics.add("query_tokens", query)
+        self.metrics.add("hit_tokens", num_hit)
+
+    def find(
+        self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
+    ) -> tuple[int, int]:
+        """:meth:`lookup` without counting its answer (a background lookup
+        may be answered as a miss before the filesystem answers it)."""
         bs, bpc = self.block_size, self.chunk_size // self.block_size
         want_blocks = min((num_tokens - 1) // bs, len(digests))
         # A chunk is found by the ids of all its blocks, so only chunks the
@@ -150,10 +168,7 @@ class VineyardCacheLookup:
             self.metrics.add("lookup_stats", min(found + 1, cached))
             cached = found
         hit_end = min(cached * bpc, want_blocks) * bs
-        num_hit = max(0, hit_end - num_local_tokens)
-        self.metrics.add("query_tokens", max(0, want_blocks * bs - num_local_tokens))
-        self.metrics.add("hit_tokens", num_hit)
-        return num_hit, cached * self.chunk_size
+        return max(0, hit_end - num_local_tokens), cached * self.chunk_size
 
 
 @dataclass
@@ -208,7 +223,7 @@ class BackgroundLookups:
             with self._lock:
                 self._busy[me] = job
             try:
-                job.result = self._lookup.lookup(
+                job.result = self._lookup.find(
                     job.digests, job.num_local_tokens, job.num_tokens
                 )
             except Exception as e:  # noqa: BLE001 - a miss, never a crash
@@ -266,12 +281,15 @@ class BackgroundLookups:
             self._wait_left -= time.monotonic() - start
         if job.done.is_set():
             del self._jobs[req_id]
-            return job.result
-        if time.monotonic() - job.submitted_at > self._timeout_s:
+            answer = job.result
+        elif time.monotonic() - job.submitted_at > self._timeout_s:
             del self._jobs[req_id]
             self.metrics.add("lookup_timeouts")
-            return 0, 0
-        return None
+            answer = (0, 0)  # a late answer is dropped (and not counted)
+        else:
+            return None
+        self._lookup.count(num_local_tokens, num_tokens, len(digests), answer[0])
+        return answer
 
     def forget(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)

@@ -38,7 +38,10 @@ import xxhash
 
 FORMAT_VERSION = 2
 TRAILER_BYTES = 64
-_MAGIC = b"VYKV" + bytes([FORMAT_VERSION])
+#: How every trailer starts (then the format version): tools tell the
+#: cache's files from others by it without knowing their layout.
+MAGIC_PREFIX = b"VYKV"
+_MAGIC = MAGIC_PREFIX + bytes([FORMAT_VERSION])
 _DIGEST_BYTES = 16
 _MAC_BYTES = 32
 # Trailer: magic(5) keyed(1) pad(2) | digest(16) | checksum or MAC(32) | pad(8)
@@ -167,6 +170,13 @@ class Sealer:
         return trailer[_MAC_AT : _MAC_AT + _MAC_BYTES] == self._mac(
             entry[:payload_end], digest
         )
+
+    @staticmethod
+    def digest_of(entry: memoryview) -> bytes:
+        """The digest an entry's trailer claims (unverified): checking a
+        stored chunk without its tokens starts from it."""
+        at = len(entry) - TRAILER_BYTES + _DIGEST_AT
+        return bytes(entry[at : at + _DIGEST_BYTES])
 
     @staticmethod
     def clear(entry: memoryview) -> None:

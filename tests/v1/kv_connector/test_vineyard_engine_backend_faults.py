@@ -20,6 +20,8 @@ from vineyard_engine_testing import (
     standard_prompts,
 )
 
+from vllm.worker.vineyard_root import MANIFEST
+
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
 # Without the local prefix cache every hit comes from vineyard.
@@ -155,6 +157,8 @@ def _flip_a_byte_in_every_chunk(root: Path) -> int:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__temp"]
         for name in filenames:
+            if name == MANIFEST:
+                continue
             flip_a_payload_byte(os.path.join(dirpath, name))
             flipped += 1
     return flipped

@@ -29,13 +29,16 @@ class GatedLookup:
         self.metrics = VineyardCacheMetrics(False)
         self.held: dict[int, threading.Event] = {}
 
-    def lookup(
+    def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
     ) -> tuple[int, int]:
         gate = self.held.get(num_tokens)
         if gate is not None:
             gate.wait()
         return num_tokens - 1 - num_local_tokens, num_tokens
+
+    def count(self, *args: int) -> None:
+        self.metrics.add("hit_tokens", args[-1])
 
 
 @pytest.fixture
