@@ -6,6 +6,7 @@ local hits, short loads and namespaces."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,28 @@ def test_same_layout_on_the_same_root_shares_chunks(
     assert twin.load(tokens, 0, CACHED, dst) == CACHED
     n = CACHED // twin.block_size
     assert same_bits(twin.kv[:, dst[:n]], small_cache.kv[:, src[:n]])
+
+
+def test_a_truncated_chunk_is_removed_by_the_lookup_and_written_again(
+    make_cache: CacheFactory,
+) -> None:
+    """A chunk file cut short on disk is neither vineyard's placeholder nor
+    a whole chunk: the lookup that stops there removes it (counted as a
+    corrupt chunk), so the next save writes it again (vineyard keeps any
+    file it finds at a chunk's path) and the prefix hits again."""
+    h = make_cache()
+    tokens = make_tokens(SEQ_LEN)
+    h.save_tokens(tokens, SRC_BLOCK)
+    assert h.lookup(tokens) == (CACHED, CACHED)
+    by_size = sorted(chunk_files(h.root), key=os.path.getsize)
+    truncated = by_size[2]
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) // 2)
+
+    assert h.lookup(tokens) == (2 * CHUNK_SIZE, 2 * CHUNK_SIZE)
+    assert not os.path.exists(truncated)
+    assert h.counters()["corrupt_chunks"] == 1
+    h.save_tokens(tokens, SRC_BLOCK)
+    assert os.path.exists(truncated)
+    assert h.lookup(tokens) == (CACHED, CACHED)
+    assert h.counters()["corrupt_chunks"] == 1

@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard_root import remove_file
 from vllm.worker.vineyard_store import (
     FORMAT_VERSION,
     TRAILER_BYTES,
@@ -151,6 +153,32 @@ class VineyardCacheLookup:
         self.metrics.add("query_tokens", query)
         self.metrics.add("hit_tokens", num_hit)
 
+    def _remove_if_damaged(self, files: ChunkFiles, ids: Sequence[int]) -> None:
+        """A regular file where the lookup stopped, of neither vineyard's
+        placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
+        renames whole chunks into place, so no write is ever seen half
+        done): remove it, so that the next save writes the chunk again
+        (vineyard keeps a file it finds at a chunk's path)."""
+        path = files.path(ids)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return  # missing: the common miss
+        if not stat.S_ISREG(st.st_mode) or st.st_size in (
+            0,
+            files.file_bytes(len(ids)),
+        ):
+            return
+        if remove_file(files.root, path, st.st_ino):
+            self.metrics.add("corrupt_chunks")
+            logger.warning(
+                "vineyard cache chunk of the wrong size (%d bytes, not %d) was "
+                "removed; it is written again by the next save: %s",
+                st.st_size,
+                files.file_bytes(len(ids)),
+                path,
+            )
+
     def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
     ) -> tuple[int, int]:
@@ -166,6 +194,8 @@ class VineyardCacheLookup:
         for files in self._files:
             found = files.count_complete(ids, cached)
             self.metrics.add("lookup_stats", min(found + 1, cached))
+            if found < cached:
+                self._remove_if_damaged(files, ids[: (found + 1) * bpc])
             cached = found
         hit_end = min(cached * bpc, want_blocks) * bs
         return max(0, hit_end - num_local_tokens), cached * self.chunk_size
