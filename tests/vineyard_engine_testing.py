@@ -161,6 +161,9 @@ def engine_env(
         VLLM_CPU_OMP_THREADS_BIND=str(engine_cpu()),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VINEYARD_CACHE_BACKEND_TIMEOUT_S="20",
+        # A loaded test machine must not turn a slow lookup into a miss (the
+        # frozen-root test sets its own deadline).
+        VINEYARD_CACHE_LOOKUP_TIMEOUT_S="30",
         PYTHONUNBUFFERED="1",
     )
     if cache_root is not None:
