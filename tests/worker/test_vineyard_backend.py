@@ -218,7 +218,7 @@ def test_writer_killed_between_writes_restarts_on_the_next_write(
 def test_writer_dying_mid_write_fails_that_task_only(make_cache: CacheFactory):
     """A write in flight when the writer dies fails (counted); the tasks
     queued behind it are written by the restarted writer."""
-    h = make_cache(min_inflight_tasks=4, max_inflight_tasks=4)
+    h = make_cache(max_inflight_tasks=4)
     cache = h.cache
     lost = make_tokens(SEQ_LEN)
     kept = [make_tokens(SEQ_LEN) for _ in range(2)]

@@ -69,9 +69,7 @@ def make_pool(memory: _StagingMemory, low: int, high: int) -> _PinnedTensorPool:
 
 
 def make_task(pool: _PinnedTensorPool, tag: int) -> _UpdateTask:
-    """A task on a free buffer whose only segment carries ``tag`` (once a
-    buffer being backed in the background is ready)."""
-    pool.join_growth()
+    """A task on a free buffer whose only segment carries ``tag``."""
     buffer_id = pool.get()
     assert buffer_id is not None, "pool exhausted"
     return _UpdateTask(buffer_id, [segment(tag)])
@@ -128,10 +126,8 @@ def test_pool_bounds(memory: _StagingMemory, low: int, high: int) -> None:
         buffer_id = pool.get()
         assert buffer_id is not None
         ids.append(buffer_id)
-        pool.join_growth()
-        # Grows a buffer ahead, in the background, once the free ones are
-        # all handed out (never on the caller's thread).
-        assert pool.num_created == min(high, max(low, i + 2))
+        # Grows lazily: one more buffer only when the existing ones are used.
+        assert pool.num_created == max(low, i + 1)
         assert pool.num_in_flight == i + 1
         assert pool.num_free == high - i - 1
     assert sorted(ids) == list(range(high))
@@ -174,45 +170,10 @@ def test_pool_get_does_not_block_when_exhausted(memory: _StagingMemory) -> None:
     assert results == [None] * 100
 
 
-def test_pool_grows_in_the_background(
-    memory: _StagingMemory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Backing a new buffer (touching and pinning its pages) never runs on
-    the caller's thread: while it is under way, ``get`` on an empty pool
-    returns ``None`` at once (the update is skipped), and the new buffer
-    is handed out once it is ready."""
-    pool = make_pool(memory, 1, 3)
-    release = threading.Event()
-    backing_threads: list[str] = []
-    back = pool._back
-
-    def slow_back(buffer_id: int) -> None:
-        backing_threads.append(threading.current_thread().name)
-        release.wait(30.0)
-        back(buffer_id)
-
-    monkeypatch.setattr(pool, "_back", slow_back)
-    first = pool.get()
-    assert first == 0
-    assert pool.get() is None  # buffer 1 is being backed
-    assert pool.num_in_flight == 1
-    release.set()
-    pool.join_growth()
-    assert backing_threads == ["vineyard-cache-pool-grow"]
-    assert pool.get() == 1
-    pool.join_growth()
-    assert pool.get() == 2
-    assert pool.get() is None
-    assert pool.num_created == 3
-
-
 def test_pool_buffers_are_distinct_and_zeroed(memory: _StagingMemory) -> None:
     memory.tensor.view(torch.uint8).fill_(0xAB)  # dirty shared memory
     pool = make_pool(memory, 2, 4)
-    ids = []
-    for _ in range(4):
-        ids.append(pool.get())
-        pool.join_growth()
+    ids = [pool.get() for _ in range(4)]
     assert None not in ids
     buffers = [pool.buffer(i) for i in ids if i is not None]
     for b in buffers:

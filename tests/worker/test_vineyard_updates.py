@@ -82,7 +82,7 @@ def test_burst_from_several_sequences_keeps_issue_order(make_cache: CacheFactory
     every step; several tasks of each are queued at once. Vineyard refuses a
     chunk whose prefix is not cached yet, so any reordering shows up as
     rejected tokens and missing chunks."""
-    h = make_cache(min_inflight_tasks=4, max_inflight_tasks=4)
+    h = make_cache(max_inflight_tasks=4)
     cache = h.cache
     rng = random.Random(0)
     seqs = make_sequences(h, 4, num_chunks=8, extra_tokens=5)
@@ -218,7 +218,7 @@ def test_sync_update_returns_after_the_write(make_cache: CacheFactory):
 
 
 def test_close_writes_pending_updates(make_cache: CacheFactory):
-    h = make_cache(min_inflight_tasks=4, max_inflight_tasks=4)
+    h = make_cache(max_inflight_tasks=4)
     seqs = make_sequences(h, 4, num_chunks=4)
     for s in seqs:
         s.computed = 4 * CHUNK_SIZE
@@ -246,10 +246,7 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
     for the answer), close() must not wait for that call either."""
     drain_s = 0.5
     h = make_cache(
-        min_inflight_tasks=4,
-        max_inflight_tasks=4,
-        drain_timeout_s=drain_s,
-        backend_timeout_s=30.0,
+        max_inflight_tasks=4, drain_timeout_s=drain_s, backend_timeout_s=30.0
     )
     cache = h.cache
     reader, writer = cache._reader, cache._writer
@@ -314,7 +311,7 @@ def _call_stats(writer: BackendProcess, errors: list[Exception]) -> None:
 def test_failed_write_is_written_again_from_its_first_chunk(
     make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ):
-    h = make_cache(min_inflight_tasks=4, max_inflight_tasks=4)
+    h = make_cache(max_inflight_tasks=4)
     cache = h.cache
     assert cache._writer is not None
     (seq,) = make_sequences(h, 1, num_chunks=4)

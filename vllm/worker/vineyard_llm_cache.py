@@ -104,10 +104,8 @@ class _PinnedTensorPool:
     """A bounded pool of staging buffers; :meth:`get` never blocks.
 
     ``min_buffers`` are allocated (touched and pinned) up front, more up to
-    ``max_buffers`` as they are used: when ``get`` hands out the last free
-    buffer, a background thread backs one more (hundreds of MiB take
-    hundreds of ms to touch and pin: never on the forward thread). When no
-    buffer is free ``get`` returns ``None`` and the caller skips its update.
+    ``max_buffers`` on demand. When every buffer is in flight ``get`` returns
+    ``None`` and the caller skips its update.
     """
 
     def __init__(self, memory: _StagingMemory, min_buffers: int, max_buffers: int):
@@ -117,56 +115,27 @@ class _PinnedTensorPool:
         self._free: list[int] = []
         self._pinned: list[torch.Tensor] = []
         self.max_buffers = max_buffers
-        self._num_created = 0  # backed, or being backed by the grower
-        self._grower: threading.Thread | None = None
+        self._num_created = 0
         for _ in range(min_buffers):
-            self._free.append(self._reserve())
-            self._back(self._free[-1])
+            self._free.append(self._create())
 
-    def _reserve(self) -> int:
+    def _create(self) -> int:
         buffer_id = self._num_created
-        self._num_created += 1
-        return buffer_id
-
-    def _back(self, buffer_id: int) -> None:
         buffer = self._memory.tensor[buffer_id]
         buffer.view(torch.uint8).fill_(0)  # back the pages now, not mid-step
         if _pin(buffer):
             self._pinned.append(buffer)
-
-    def _grow_locked(self) -> None:
-        if self._num_created >= self.max_buffers or (
-            self._grower is not None and self._grower.is_alive()
-        ):
-            return
-        buffer_id = self._reserve()
-
-        def grow() -> None:
-            self._back(buffer_id)
-            with self._lock:
-                self._free.append(buffer_id)
-
-        self._grower = threading.Thread(
-            target=grow, name="vineyard-cache-pool-grow", daemon=True
-        )
-        self._grower.start()
-
-    def join_growth(self, timeout_s: float = 30.0) -> None:
-        """Wait for a buffer being backed (tests and tools)."""
-        grower = self._grower
-        if grower is not None:
-            grower.join(timeout_s)
+        self._num_created += 1
+        return buffer_id
 
     def get(self) -> int | None:
         """A free buffer's id, or ``None`` if all are in flight."""
         with self._lock:
-            if not self._free:
-                self._grow_locked()
-                return None
-            buffer_id = self._free.pop()
-            if not self._free:
-                self._grow_locked()  # ready by the next step, most likely
-            return buffer_id
+            if self._free:
+                return self._free.pop()
+            if self._num_created < self.max_buffers:
+                return self._create()
+            return None
 
     def put(self, buffer_id: int) -> None:
         with self._lock:
@@ -182,21 +151,15 @@ class _PinnedTensorPool:
 
     @property
     def num_free(self) -> int:
-        """Buffers free now or still to be created."""
         with self._lock:
-            return self.max_buffers - self._in_flight_locked()
+            return len(self._free) + self.max_buffers - self._num_created
 
     @property
     def num_in_flight(self) -> int:
         with self._lock:
-            return self._in_flight_locked()
-
-    def _in_flight_locked(self) -> int:
-        growing = self._grower is not None and self._grower.is_alive()
-        return self._num_created - len(self._free) - growing
+            return self._num_created - len(self._free)
 
     def close(self) -> None:
-        self.join_growth()
         for buffer in self._pinned:
             _unpin(buffer)
         self._pinned.clear()
