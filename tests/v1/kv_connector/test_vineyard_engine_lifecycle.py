@@ -124,7 +124,10 @@ def test_full_disk_engine(
     assert last.counter("updates_failed") >= 1
     assert last.counter("updates_completed") < last.counter("updates_submitted")
     assert last.counter("evicted_chunks") > 0
-    assert last.counter("corrupt_chunks") == 0
+    # Nothing bad is promised or loaded: a file that a failed write left
+    # at a chunk path (of the wrong size) is removed by the lookup that
+    # finds it (counted in corrupt_chunks), never loaded.
+    assert last.counter("load_errors") == 0
     # Writes resume once the sweeper has made room: new prompts are saved.
     assert run.delta(2, "tokens_written") > 0
     assert last.counter("loaded_tokens") == last.counter("hit_tokens")
