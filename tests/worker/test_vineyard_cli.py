@@ -41,6 +41,7 @@ from vllm.worker.vineyard_root import (
     scan_root,
     write_manifest,
 )
+from vllm.worker.vineyard_store import FORMAT_VERSION
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -137,7 +138,8 @@ def test_manifest_round_trip(small_cache: CacheHarness, tmp_path: Path) -> None:
     assert manifest.entry_bytes == h.layout.entry_bytes
     assert manifest.blocks_per_chunk == h.layout.blocks_per_chunk
     doc = json.loads((ns / MANIFEST).read_text())
-    assert doc["format_version"] == 2 and doc["layout"]["model"] == "test-model"
+    assert doc["format_version"] == FORMAT_VERSION
+    assert doc["layout"]["model"] == "test-model"
     mtime = os.stat(ns / MANIFEST).st_mtime_ns
     time.sleep(0.01)
     assert write_manifest(str(ns), h.layout)
@@ -228,7 +230,7 @@ def test_ls_names_the_namespace_and_counts_its_chunks(
     assert ns["key_id"] == "nokey"
     assert ns["manifest"] == manifest
     if manifest:
-        assert ns["format_version"] == 2
+        assert ns["format_version"] == FORMAT_VERSION
         assert (ns["dtype"], ns["block_size"]) == ("float32", 16)
         assert ns["layout"]["num_layers"] == h.layout.num_layers
     else:

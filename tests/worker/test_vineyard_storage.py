@@ -13,6 +13,7 @@ entries (payload, then a 64-byte trailer, each).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -34,8 +35,14 @@ from vineyard_cache_testing import (
     write_header_ids,
 )
 
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_store import TRAILER_BYTES, extend_digests, synthetic_ids
+from vllm.worker.vineyard_lookup import VineyardCacheLookup, weights_fingerprint
+from vllm.worker.vineyard_store import (
+    FORMAT_VERSION,
+    TRAILER_BYTES,
+    Sealer,
+    extend_digests,
+    synthetic_ids,
+)
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -315,6 +322,80 @@ def test_keyed_caches_load_only_chunks_sealed_with_their_key(
     assert k1.lookup(tokens) == (CACHED, CACHED)
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["key", "no-key"])
+@pytest.mark.parametrize("other", ["model", "tp-rank"])
+def test_chunks_copied_across_namespaces_are_never_loaded(
+    make_cache: CacheFactory, key_files: dict[str, str], keyed: bool, other: str
+):
+    """Another model of the same shapes (or another TP rank of the same
+    model) on the same root, with the same key: its chunk files copied into
+    this namespace (which needs write access to the root, not the key) are
+    there by ``stat``, but fail verification here: nothing of them is
+    loaded, the bad chunk is counted and removed."""
+    key = {"auth_key_file": key_files["k1"]} if keyed else {}
+    mine = make_cache(seed=1, **key)
+    theirs = (
+        make_cache(model="other-model", seed=2, **key)
+        if other == "model"
+        else make_cache(tp_size=2, tp_rank=1, seed=2, **key)
+    )
+    assert mine.root != theirs.root
+    tokens = make_tokens(SEQ_LEN)
+    theirs.save_tokens(tokens, SRC)
+    assert _plant(theirs, mine) >= SEQ_CHUNKS
+    assert mine.lookup(tokens) == (CACHED, CACHED)  # the files are there
+    before = mine.kv.clone()
+    assert mine.load(tokens, 0, CACHED, mine.blocks_for(DST, SEQ_LEN)) == 0
+    assert same_bits(mine.kv, before), "another namespace's KV was loaded"
+    assert mine.counters()["corrupt_chunks"] == 1
+    assert not os.path.exists(mine.chunk_path(tokens, 0))
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["no-key", "key"])
+def test_the_seal_binds_the_namespace(key: bytes | None) -> None:
+    entry = bytearray(256 + TRAILER_BYTES)
+    entry[:256] = bytes(range(256))
+    digest = bytes(range(16))
+    Sealer(key, "namespace-a").seal(memoryview(entry), digest)
+    assert Sealer(key, "namespace-a").verify(memoryview(entry), digest)
+    assert not Sealer(key, "namespace-b").verify(memoryview(entry), digest)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("kv_cache_dtype", "fp8_e4m3"),
+        ("kv_cache_dtype", "fp8_e5m2"),
+        ("weights", "sha256:another-checkpoint"),
+        ("hf_overrides", '{"rope_scaling": {"factor": 2.0}}'),
+    ],
+)
+def test_what_changes_kv_bytes_changes_the_namespace(
+    small_cache: CacheHarness, field: str, value: str
+) -> None:
+    """Same shapes, different bytes: fp8 variants (all stored as uint8),
+    other weights at the same path, config overrides."""
+    layout = small_cache.layout
+    changed: Any = {field: value}
+    assert dataclasses.replace(layout, **changed).namespace != layout.namespace
+
+
+def test_weights_fingerprint_follows_the_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint updated in place at the same path gets another
+    fingerprint; the same files elsewhere (another host) the same one."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"weights-v1" * 1000)
+    first = weights_fingerprint(str(model), None)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert weights_fingerprint(str(copy), None) == first
+    (model / "model.safetensors").write_bytes(b"weights-v2" * 1000)
+    assert weights_fingerprint(str(model), None) != first
+    assert weights_fingerprint("org/name", "abc123") == "revision:abc123"
+
+
 def _modes(root: str) -> tuple[set[int], set[int]]:
     """The permission bits of the files and of the directories under (and
     including) ``root``."""
@@ -357,7 +438,7 @@ def test_v1_namespace_on_the_same_root_is_never_read(small_cache: CacheHarness):
     v2 namespaces are named apart (version and chunk size in the name)."""
     h = small_cache
     name = os.path.basename(h.root)
-    assert name.startswith("v2-")
+    assert name.startswith(f"v{FORMAT_VERSION}-")
     assert f"-c{CHUNK_SIZE}-" in name
     v1_dir = os.path.join(h.config.root, "test-model-0123456789abcdef-tp1r0")
     tokens = make_tokens(SEQ_LEN)

@@ -211,7 +211,9 @@ class _VineyardServer:
         self._files = store.ChunkFiles(
             spec.root, spec.blocks_per_chunk, spec.entry_bytes
         )
-        self._sealer = store.Sealer(store.load_auth_key(spec.auth_key_file))
+        self._sealer = store.Sealer(
+            store.load_auth_key(spec.auth_key_file), os.path.basename(spec.root)
+        )
         # Expiry and eviction are the sweeper's (by last use, across every
         # process): vineyard's own TTL counts from the write and only for
         # the process that wrote, so it is switched off.

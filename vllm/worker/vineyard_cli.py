@@ -449,7 +449,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         m = ns.manifest
         checkers[name] = ChunkChecker(
             ns.path,
-            store.Sealer(key if keyed else None),
+            store.Sealer(key if keyed else None, name),
             (m.blocks_per_chunk, m.entry_bytes) if m is not None else None,
             ns.parsed.chunk_size,
             keyed,

@@ -26,7 +26,11 @@ from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_connector_metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
 from vllm.worker.vineyard_connector_worker import VineyardConnectorWorker
-from vllm.worker.vineyard_lookup import KVCacheLayout
+from vllm.worker.vineyard_lookup import (
+    KVCacheLayout,
+    overrides_text,
+    weights_fingerprint,
+)
 from vllm.worker.vineyard_metrics import VineyardConnectorStats, VineyardPromMetrics
 from vllm.worker.vineyard_store import key_id, load_auth_key
 
@@ -133,6 +137,9 @@ class VineyardConnector(KVConnectorBase_V1):
             tp_size=tp_size,
             tp_rank=tp_rank,
             key_id=self._key_id,
+            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+            weights=weights_fingerprint(model_config.model, model_config.revision),
+            hf_overrides=overrides_text(model_config.hf_overrides),
         )
 
     def _meta(self) -> VineyardConnectorMetadata:

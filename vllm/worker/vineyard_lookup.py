@@ -62,6 +62,12 @@ class KVCacheLayout:
     tp_size: int = 1
     tp_rank: int = 0
     key_id: str = "nokey"  # which auth key seals the chunks
+    # What changes the KV bytes under the same shapes: vLLM's KV cache dtype
+    # (fp8 variants are all stored as uint8), the weights' identity and the
+    # config overrides.
+    kv_cache_dtype: str = "auto"
+    weights: str = ""
+    hf_overrides: str = ""
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.block_size:
@@ -107,6 +113,58 @@ class KVCacheLayout:
             self.blocks_per_chunk,
             self.entry_bytes,
         )
+
+
+#: Checkpoint files whose identity goes into the namespace.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_FINGERPRINT_READ = 1 << 20  # bytes read from each end of a weight file
+
+
+def weights_fingerprint(model: str, revision: str | None) -> str:
+    """What identifies the weights, so that a model updated in place (at
+    the same path or an unpinned hub name) gets a new namespace: for a local
+    checkpoint, a hash of its config and index files, and of each weight
+    file's name, size and first and last MiB; for a hub name, the pinned
+    revision, or the commit of the snapshot vLLM downloaded."""
+    if os.path.isdir(model):
+        h = hashlib.sha256()
+        for name in sorted(os.listdir(model)):
+            path = os.path.join(model, name)
+            if not os.path.isfile(path):
+                continue
+            if name == "config.json" or name.endswith("index.json"):
+                with open(path, "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+            elif name.endswith(_WEIGHT_SUFFIXES):
+                size = os.path.getsize(path)
+                h.update(f"{name}\0{size}\0".encode())
+                with open(path, "rb") as f:
+                    h.update(f.read(_FINGERPRINT_READ))
+                    f.seek(max(0, size - _FINGERPRINT_READ))
+                    h.update(f.read(_FINGERPRINT_READ))
+        return "sha256:" + h.hexdigest()[:32]
+    if revision:
+        return f"revision:{revision}"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # noqa: BLE001 - no hub, no snapshot: best effort
+        found = None
+    if isinstance(found, str):
+        # .../snapshots/<commit>/config.json
+        return "commit:" + os.path.basename(os.path.dirname(found))
+    return "unknown"
+
+
+def overrides_text(overrides: object) -> str:
+    """vLLM's ``hf_overrides`` as a stable string (a callable by name)."""
+    if not overrides:
+        return ""
+    if callable(overrides):
+        module = getattr(overrides, "__module__", "")
+        return f"callable:{module}.{getattr(overrides, '__qualname__', '')}"
+    return json.dumps(overrides, sort_keys=True, default=str)
 
 
 class VineyardCacheLookup:

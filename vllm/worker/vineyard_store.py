@@ -36,7 +36,7 @@ import mmh3
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 TRAILER_BYTES = 64
 #: How every trailer starts (then the format version): tools tell the
 #: cache's files from others by it without knowing their layout.
@@ -131,11 +131,17 @@ def key_id(key: bytes | None) -> str:
 
 
 class Sealer:
-    """Writes and checks entry trailers (with a MAC when there is a key)."""
+    """Writes and checks entry trailers (with a MAC when there is a key).
 
-    def __init__(self, key: bytes | None):
+    The checksum or MAC covers the block's bytes, its prefix digest and
+    its namespace (the directory name): a chunk file copied into another
+    namespace (another model, dtype, TP rank) fails verification there,
+    whether or not the copier has the key."""
+
+    def __init__(self, key: bytes | None, namespace: str):
         self._key = key
         self._flag = 1 if key is not None else 0
+        self._namespace = namespace.encode()
         if key is not None:
             import blake3  # only needed with a key
 
@@ -143,13 +149,19 @@ class Sealer:
 
     def _mac(self, payload: memoryview, digest: bytes) -> bytes:
         if self._key is None:
-            # One-shot, seeded with the digest (binds the bytes to their
-            # prefix): twice as fast here as the streaming hasher.
-            seed = int.from_bytes(digest[:8], "little")
-            return xxhash.xxh3_128_digest(payload, seed).ljust(_MAC_BYTES, b"\0")
+            # One-shot, seeded with the digest and the namespace (binds the
+            # bytes to their prefix and place): twice as fast here as the
+            # streaming hasher.
+            seed = hashlib.blake2b(
+                digest + self._namespace, digest_size=8, person=b"vineyard-seed"
+            ).digest()
+            return xxhash.xxh3_128_digest(
+                payload, int.from_bytes(seed, "little")
+            ).ljust(_MAC_BYTES, b"\0")
         h = self._blake3(key=self._key)
         h.update(payload)
         h.update(digest)
+        h.update(self._namespace)
         return h.digest()
 
     def seal(self, entry: memoryview, digest: bytes) -> None:
