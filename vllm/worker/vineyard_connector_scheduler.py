@@ -175,7 +175,12 @@ class VineyardConnectorScheduler:
         )
         if self._publish_events:
             self._events = StorageEvents(
-                self.block_size, [layout.files(self.config.root) for layout in layouts]
+                self.block_size,
+                # As the workers' backends name removed files: resolved.
+                [
+                    layout.files(os.path.realpath(self.config.root))
+                    for layout in layouts
+                ],
             )
 
     def get_num_new_matched_tokens(
@@ -338,7 +343,7 @@ class VineyardConnectorScheduler:
         first chunk. Whether every chunk could be removed."""
         if self._lookup is None:
             return True  # the cache is off: nothing of ours is there
-        root = self.config.root
+        root = os.path.realpath(self.config.root)
         mine = set(self._namespaces)
         scan = scan_root(root)
         gone: list[str] = []

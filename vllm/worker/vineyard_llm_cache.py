@@ -38,7 +38,7 @@ from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
 from vllm.worker.vineyard_kv_copy import KVBlockCopier
 from vllm.worker.vineyard_lookup import KVCacheLayout
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
-from vllm.worker.vineyard_root import write_manifest
+from vllm.worker.vineyard_root import check_root, write_manifest
 from vllm.worker.vineyard_store import synthetic_ids
 
 logger = init_logger(__name__)
@@ -392,7 +392,13 @@ class VineyardLLMCache:
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
-        self.files = layout.files(config.root)
+        # Resolved and checked once: a root through a symlink works, one
+        # that others could turn against this process is refused.
+        try:
+            root = check_root(config.root, config.group_access, config.setting("root"))
+        except OSError as e:
+            raise BackendError(f"cannot create the cache root: {e}") from e
+        self.files = layout.files(root)
         bs = layout.block_size
         # One buffer holds one step's tokens, rounded up to whole chunks.
         self.max_blocks = -(-max_num_batched_tokens // self.chunk_size) * (
@@ -426,7 +432,7 @@ class VineyardLLMCache:
                 auth_key_file=config.auth_key_file,
                 group_access=config.group_access,
                 sweep=writer,
-                cache_root=config.root,
+                cache_root=root,
                 disk_limit_bytes=int(config.disk_limit_gb * GiB),
                 ttl_s=config.ttl_s,
                 sweep_interval_s=config.sweep_interval_s,

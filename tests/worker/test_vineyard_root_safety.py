@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A cache root that others could turn against its user is refused at
+startup, with an error naming ``VINEYARD_CACHE_ROOT`` and saying why; a
+root reached through a symlink works (it is resolved once).
+
+Cases that need another user's files (a root or a folder above it owned by
+someone else) run where the tests run as root (CI does) and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from vineyard_cache_testing import CacheFactory, make_tokens
+
+from vllm.worker.vineyard_root import check_root
+
+SETTING = "VINEYARD_CACHE_ROOT"
+OTHER_UID = 4242
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+
+
+def private_dir(path: Path, mode: int = 0o700) -> Path:
+    path.mkdir(parents=True)
+    path.chmod(mode)
+    return path
+
+
+def test_a_private_root_is_created_and_resolved(tmp_path: Path) -> None:
+    base = private_dir(tmp_path / "base")
+    root = base / "cache"
+    assert check_root(str(root), False, SETTING) == str(root)
+    assert root.is_dir() and root.stat().st_mode & 0o777 == 0o700
+    link = base / "link"
+    link.symlink_to(root)
+    assert check_root(str(link), False, SETTING) == str(root)
+
+
+@pytest.mark.parametrize(
+    ("mode", "group_access", "why"),
+    [
+        (0o777, False, "writable by others"),
+        (0o777, True, "writable by others"),
+        (0o770, False, "writable by its group"),
+    ],
+)
+def test_a_root_writable_by_others_is_refused(
+    tmp_path: Path, mode: int, group_access: bool, why: str
+) -> None:
+    root = private_dir(tmp_path / "base") / "cache"
+    root.mkdir()
+    root.chmod(mode)
+    with pytest.raises(ValueError, match=f"{SETTING}=.*{why}"):
+        check_root(str(root), group_access, SETTING)
+
+
+def test_a_group_root_with_group_access_is_accepted(tmp_path: Path) -> None:
+    root = private_dir(tmp_path / "base") / "cache"
+    root.mkdir()
+    root.chmod(0o770)
+    assert check_root(str(root), True, SETTING) == str(root)
+
+
+def test_a_folder_above_writable_by_anyone_is_refused_unless_sticky(
+    tmp_path: Path,
+) -> None:
+    open_dir = private_dir(tmp_path / "open", 0o777)
+    with pytest.raises(ValueError, match=f"{SETTING}=.*writable by others.*sticky"):
+        check_root(str(open_dir / "cache"), False, SETTING)
+    open_dir.chmod(0o1777)  # as /tmp
+    assert check_root(str(open_dir / "cache"), False, SETTING)
+
+
+@as_root
+@pytest.mark.parametrize("whose", ["root", "parent"])
+def test_another_users_root_or_parent_is_refused(tmp_path: Path, whose: str) -> None:
+    parent = private_dir(tmp_path / "parent", 0o755)
+    root = private_dir(parent / "cache")
+    os.chown(root if whose == "root" else parent, OTHER_UID, OTHER_UID)
+    with pytest.raises(ValueError, match=f"{SETTING}=.*uid {OTHER_UID}"):
+        check_root(str(root), False, SETTING)
+
+
+def test_a_cache_on_an_unsafe_root_does_not_start(
+    make_cache: CacheFactory, tmp_path: Path
+) -> None:
+    root = private_dir(tmp_path / "base") / "cache"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(ValueError, match="ROOT=.*writable by others"):
+        make_cache(root=root)
+
+
+def test_a_cache_through_a_symlinked_root_works(
+    make_cache: CacheFactory, tmp_path: Path
+) -> None:
+    real = private_dir(tmp_path / "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    h = make_cache(root=link)
+    assert h.cache.files.root.startswith(str(real) + os.sep)
+    tokens = make_tokens(3 * h.chunk_size + 1)
+    h.save_tokens(tokens, 0)
+    assert h.lookup(tokens)[0] == 3 * h.chunk_size
