@@ -11,6 +11,7 @@ someone else) run where the tests run as root (CI does) and skip elsewhere.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,30 @@ def test_a_cache_through_a_symlinked_root_works(
     tokens = make_tokens(3 * h.chunk_size + 1)
     h.save_tokens(tokens, 0)
     assert h.lookup(tokens)[0] == 3 * h.chunk_size
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_load_never_opens_what_is_not_a_regular_file(
+    make_cache: CacheFactory, tmp_path: Path, kind: str
+) -> None:
+    """A chunk file swapped for a FIFO (whose open would block) or for a
+    link (even to the chunk's own bytes) between the lookup and the load:
+    the load stops before it at once, counted, and nothing is opened."""
+    h = make_cache(backend_timeout_s=30.0)
+    tokens = make_tokens(4 * h.chunk_size + 1)
+    src = h.save_tokens(tokens, 0)
+    path = h.chunk_path(tokens, 2)
+    os.rename(path, tmp_path / "moved")
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "moved", path)
+    dst = h.blocks_for(40, len(tokens))
+    before = h.kv.clone()
+    started = time.monotonic()
+    loaded = h.load(tokens, 0, 4 * h.chunk_size, dst)
+    assert time.monotonic() - started < 10.0  # far below the 30 s timeout
+    assert loaded == 2 * h.chunk_size
+    n = loaded // h.block_size
+    h.check_loaded(before, src, dst, n)
+    assert h.counters()["corrupt_chunks"] == 1

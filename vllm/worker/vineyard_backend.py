@@ -30,6 +30,7 @@ import mmap
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -290,6 +291,26 @@ class _VineyardServer:
             results.append((stored, error))
         return {"stored": results, "stats": self.take_stats()}
 
+    def _regular_chunks(self, prefix: list[int], ids: list[int]) -> int:
+        """How many of ``ids`` lie in chunks whose paths hold a regular
+        file or nothing; an entry of another kind (a link, a FIFO, a
+        directory) is never opened, and is counted as a corrupt chunk."""
+        bpc = self._spec.blocks_per_chunk
+        for end in range(bpc, len(ids) + 1, bpc):
+            path = self._files.path(prefix + ids[:end])
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                return len(ids)  # missing: vineyard's read stops there anyway
+            if not stat.S_ISREG(mode):
+                self._stats["corrupt_chunks"] += 1
+                logger.warning(
+                    "vineyard cache: no regular file at a chunk path, not read: %s",
+                    path,
+                )
+                return end - bpc
+        return len(ids)
+
     def query(
         self, buffer_id: int, prefix: list[int], ids: list[int], digests: list[bytes]
     ) -> dict[str, Any]:
@@ -302,8 +323,11 @@ class _VineyardServer:
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
             store.Sealer.clear(view)
+        # vineyard opens what it finds at a chunk's path, following links
+        # and blocking on a FIFO: read only up to the first such entry.
+        ids = ids[: self._regular_chunks(prefix, ids)]
         kv = self._kv_lists[buffer_id][: len(ids)]
-        found = int(self._cache.query(prefix, ids, kv))
+        found = int(self._cache.query(prefix, ids, kv)) if ids else 0
         found = min(found, len(ids)) // bpc * bpc
         self._stats["bytes_read"] += found * self._spec.entry_bytes
         verified = 0
