@@ -120,12 +120,21 @@ CASES: dict[str, EnvCase] = {
     "VINEYARD_CACHE_TTL_S": EnvCase(
         "ttl_s",
         (("60", 60.0), ("0", 0.0), ("0.5", 0.5)),  # 0: no TTL
-        (("soon", "[0, inf]"), ("-1", "[0, inf]"), ("nan", "[0, inf]")),
+        (
+            ("soon", "[0, 1000000000.0]"),
+            ("-1", "[0, 1000000000.0]"),
+            ("nan", "[0, 1000000000.0]"),
+        ),
     ),
     "VINEYARD_CACHE_SWEEP_INTERVAL_S": EnvCase(
         "sweep_interval_s",
-        (("1", 1.0), ("0.25", 0.25)),
-        (("often", "(0, inf]"), ("0", "(0, inf]"), ("-5", "(0, inf]")),
+        (("1", 1.0), ("0.25", 0.25), ("86400", 86400.0)),
+        (
+            ("often", "[0.1, 86400]"),
+            ("0", "[0.1, 86400]"),
+            ("1e-300", "[0.1, 86400]"),
+            ("86401", "[0.1, 86400]"),
+        ),
     ),
     "VINEYARD_CACHE_AUTH_KEY_FILE": EnvCase(
         "auth_key_file",
@@ -141,8 +150,13 @@ CASES: dict[str, EnvCase] = {
     ),
     "VINEYARD_CACHE_BACKEND_TIMEOUT_S": EnvCase(
         "backend_timeout_s",
-        (("2.5", 2.5),),
-        (("slow", "(0, inf]"), ("0", "(0, inf]"), ("-1", "(0, inf]")),
+        (("2.5", 2.5), ("0.1", 0.1)),
+        (
+            ("slow", "[0.1, 3600]"),
+            ("0", "[0.1, 3600]"),
+            ("1e-300", "[0.1, 3600]"),
+            ("3601", "[0.1, 3600]"),
+        ),
     ),
     "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": EnvCase(
         "lookup_timeout_s",
@@ -157,7 +171,7 @@ CASES: dict[str, EnvCase] = {
     "VINEYARD_CACHE_DRAIN_TIMEOUT_S": EnvCase(
         "drain_timeout_s",
         (("0", 0.0), ("7.5", 7.5)),
-        (("later", "[0, inf]"), ("-1", "[0, inf]"), ("inf", "[0, inf]")),
+        (("later", "[0, 600]"), ("-1", "[0, 600]"), ("inf", "[0, 600]")),
     ),
 }
 

@@ -183,13 +183,13 @@ class VineyardLLMCacheConfig:
         "0",
         "Seconds after its last use (write or hit) when a chunk expires; 0: "
         "never (the disk limit still applies).",
-        _NON_NEGATIVE,
+        _number(float, 0, True, 1e9),
     )
     sweep_interval_s: float = _setting(
         "30",
         "Seconds between background sweeps of the root (usage, eviction, "
         "expiry, orphaned temp files and empty directories).",
-        _POSITIVE,
+        _number(float, 0.1, True, 86400),
     )
     auth_key_file: str = _setting(
         "",
@@ -209,7 +209,7 @@ class VineyardLLMCacheConfig:
         "30",
         "Longest wait for one backend call before the backend is restarted and "
         "the call counted as failed.",
-        _POSITIVE,
+        _number(float, 0.1, True, 3600),
     )
     lookup_timeout_s: float = _setting(
         "2",
@@ -222,7 +222,7 @@ class VineyardLLMCacheConfig:
         "5",
         "At shutdown, how long pending updates may still be written before "
         "they are dropped.",
-        _NON_NEGATIVE,
+        _number(float, 0, True, 600),
     )
     #: Where each value came from (the key the user wrote), for errors
     #: found after parsing; settings not listed came from the environment.
