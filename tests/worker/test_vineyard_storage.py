@@ -39,6 +39,7 @@ from vllm.worker.vineyard_lookup import VineyardCacheLookup, weights_fingerprint
 from vllm.worker.vineyard_store import (
     FORMAT_VERSION,
     TRAILER_BYTES,
+    LogLimiter,
     Sealer,
     extend_digests,
     synthetic_ids,
@@ -531,3 +532,22 @@ def test_trailer_size_is_part_of_every_entry(small_cache: CacheHarness):
         ids = read_header_ids(path)
         assert ids == h.ids(tokens)[: (c + 1) * layout.blocks_per_chunk]
         assert os.path.getsize(path) == h.cache.files.file_bytes(len(ids))
+
+
+def test_warnings_that_every_chunk_could_trigger_are_rate_limited() -> None:
+    """A failing disk or a damaged root must not flood the log: one warning
+    per kind and interval, then the count of the ones left out."""
+    logged: list[str] = []
+
+    class Recorder:
+        def warning(self, msg: str, *args: object) -> None:
+            logged.append(msg % args)
+
+    log = LogLimiter(Recorder(), interval_s=3600.0)
+    for i in range(100):
+        log.warning("corrupt", "chunk %d is bad", i)
+    log.warning("unreadable", "chunk %d is unreadable", 0)
+    assert logged == ["chunk 0 is bad", "chunk 0 is unreadable"]
+    log._last["corrupt"] -= 3600.0  # an interval later
+    log.warning("corrupt", "chunk %d is bad", 100)
+    assert logged[-1] == "chunk 100 is bad (99 more like it in the last minute)"

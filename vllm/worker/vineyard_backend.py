@@ -128,6 +128,10 @@ def _import_vineyard_llm() -> Any:
     return vineyard.llm
 
 
+#: How the reader opens a chunk file to tell "unreadable" from "bad".
+_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 def _write_error_reason(
     path: str, need_bytes: int, leaked_files: int = 1
 ) -> str | None:
@@ -246,6 +250,7 @@ class _VineyardServer:
             ("bytes_read", "bytes_written", "corrupt_chunks", "write_errors"), 0
         )
         self._removed: list[str] = []  # corrupt chunk files removed
+        self._log = store.LogLimiter(logger)
         self._sweeper: Any = None
         if spec.sweep:
             self._sweeper = sweeper.RootSweeper(
@@ -304,7 +309,8 @@ class _VineyardServer:
                 return len(ids)  # missing: vineyard's read stops there anyway
             if not stat.S_ISREG(mode):
                 self._stats["corrupt_chunks"] += 1
-                logger.warning(
+                self._log.warning(
+                    "irregular",
                     "vineyard cache: no regular file at a chunk path, not read: %s",
                     path,
                 )
@@ -340,12 +346,27 @@ class _VineyardServer:
         if good < found:  # failed verification
             bad_end = good + bpc
         elif found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc]):
-            bad_end = found + bpc  # on disk, complete, yet unreadable
+            # On disk at its full size, yet vineyard did not read it: a file
+            # of another prefix (bad), or one this process cannot open now
+            # (another instance's group, a stale handle, out of descriptors:
+            # not bad, left alone).
+            path = self._files.path(prefix + ids[: found + bpc])
+            try:
+                os.close(os.open(path, _OPEN_CHUNK))
+                bad_end = found + bpc
+            except OSError as e:
+                self._log.warning(
+                    "unreadable",
+                    "vineyard cache chunk could not be read (left in place): %s: %s",
+                    path,
+                    e,
+                )
         if bad_end is not None:
             if self._files.remove(prefix + ids[:bad_end]):
                 self._removed.append(self._files.path(prefix + ids[:bad_end]))
             self._stats["corrupt_chunks"] += 1
-            logger.warning(
+            self._log.warning(
+                "corrupt",
                 "vineyard cache chunk failed verification and was removed "
                 "(it will be recomputed and written again): %s",
                 self._files.path(prefix + ids[:bad_end]),

@@ -39,7 +39,7 @@ from vllm.worker.vineyard_kv_copy import KVBlockCopier
 from vllm.worker.vineyard_lookup import KVCacheLayout
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
 from vllm.worker.vineyard_root import check_root, write_manifest
-from vllm.worker.vineyard_store import synthetic_ids
+from vllm.worker.vineyard_store import LogLimiter, synthetic_ids
 
 logger = init_logger(__name__)
 
@@ -392,6 +392,7 @@ class VineyardLLMCache:
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
+        self._log = LogLimiter(logger)
         # Resolved and checked once: a root through a symlink works, one
         # that others could turn against this process is refused.
         try:
@@ -731,7 +732,8 @@ class VineyardLLMCache:
             self.metrics.add("loaded_tokens", max(0, loaded - start))
             if loaded < end:
                 self.metrics.add("load_errors")
-                logger.warning(
+                self._log.warning(
+                    "short-load",
                     "vineyard cache returned %d of %d promised tokens; the "
                     "rest is recomputed",
                     max(0, loaded - start),
