@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -551,3 +552,20 @@ def test_warnings_that_every_chunk_could_trigger_are_rate_limited() -> None:
     log._last["corrupt"] -= 3600.0  # an interval later
     log.warning("corrupt", "chunk %d is bad", 100)
     assert logged[-1] == "chunk 100 is bad (99 more like it in the last minute)"
+
+
+def test_a_hit_marks_the_whole_prefix_used(make_cache: CacheFactory) -> None:
+    """LRU by use, whoever served it: a load of chunks 2-3 whose chunks 0-1
+    vLLM's own prefix cache served marks all four used, so a hot shared
+    prefix is not evicted for being served locally."""
+    h = make_cache()
+    tokens = make_tokens(SEQ_LEN)
+    h.save_tokens(tokens, SRC)
+    paths = [h.chunk_path(tokens, c) for c in range(SEQ_CHUNKS)]
+    long_ago = time.time() - 86400
+    for path in paths:
+        os.utime(path, (long_ago, long_ago))
+    start = 2 * CHUNK_SIZE
+    dst = h.blocks_for(DST, SEQ_LEN)
+    assert h.load(tokens, start, CACHED, dst) == CACHED
+    assert all(os.stat(p).st_mtime > long_ago + 3600 for p in paths)

@@ -318,7 +318,12 @@ class _VineyardServer:
         return len(ids)
 
     def query(
-        self, buffer_id: int, prefix: list[int], ids: list[int], digests: list[bytes]
+        self,
+        buffer_id: int,
+        prefix: list[int],
+        ids: list[int],
+        digests: list[bytes],
+        touch_prefix: bool = False,
     ) -> dict[str, Any]:
         """Read the cached leading chunks of ``ids`` (which follow
         ``prefix``) into the buffer from slot 0 and verify every entry.
@@ -371,8 +376,11 @@ class _VineyardServer:
                 "(it will be recomputed and written again): %s",
                 self._files.path(prefix + ids[:bad_end]),
             )
-        # A hit is a use: it keeps these chunks from eviction and expiry.
-        self._files.touch(prefix + ids, len(prefix) // bpc, good // bpc)
+        # A hit is a use: it keeps these chunks from eviction and expiry,
+        # and (``touch_prefix``) the chunks before them that vLLM's own
+        # prefix cache served this time, so LRU follows every use.
+        first = 0 if touch_prefix and good else len(prefix) // bpc
+        self._files.touch(prefix + ids, first, (len(prefix) + good) // bpc - first)
         return {"verified": good, "stats": self.take_stats()}
 
     def take_stats(self) -> dict[str, Any]:

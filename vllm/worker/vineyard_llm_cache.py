@@ -706,6 +706,7 @@ class VineyardLLMCache:
                     job.ids[:s],
                     job.ids[s:e],
                     job.digests[s:e],
+                    k == 0,  # the load's first read marks the prefix used too
                 )
             except BackendError as e:
                 logger.warning("vineyard cache read failed, recomputing: %s", e)
