@@ -133,3 +133,32 @@ def test_a_load_never_opens_what_is_not_a_regular_file(
     n = loaded // h.block_size
     h.check_loaded(before, src, dst, n)
     assert h.counters()["corrupt_chunks"] == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling-link"])
+def test_a_write_never_opens_what_is_not_a_regular_file(
+    make_cache: CacheFactory, tmp_path: Path, kind: str
+) -> None:
+    """A FIFO (whose open would block the writer) or a dangling link (which
+    vineyard would follow, creating a file outside the root) where a chunk
+    is about to be written: it is removed (counted), never opened, and the
+    chunk is written in its place."""
+    h = make_cache(backend_timeout_s=30.0)
+    tokens = make_tokens(3 * h.chunk_size + 1)
+    path = h.chunk_path(tokens, 1)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    target = tmp_path / "outside" / "planted"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        target.parent.mkdir()
+        os.symlink(target, path)
+    started = time.monotonic()
+    h.save_tokens(tokens, 0)
+    assert time.monotonic() - started < 10.0  # far below the 30 s timeout
+    assert os.path.isfile(path) and not os.path.islink(path)
+    assert not target.exists()
+    counters = h.counters()
+    assert counters["corrupt_chunks"] == 1
+    assert counters["updates_failed"] == 0
+    assert h.lookup(tokens)[0] == 3 * h.chunk_size

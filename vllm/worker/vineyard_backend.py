@@ -275,6 +275,7 @@ class _VineyardServer:
         bpc = self._spec.blocks_per_chunk
         results: list[tuple[int, str | None]] = []
         for first, prefix, ids, digests in segments:
+            self._clear_chunk_paths(prefix, ids)
             for i, digest in enumerate(digests):
                 self._sealer.seal(views[first + i], digest)
             stored = int(self._cache.update(prefix, ids, kv_list[first:][: len(ids)]))
@@ -295,6 +296,34 @@ class _VineyardServer:
             self._stats["bytes_written"] += stored * self._spec.entry_bytes
             results.append((stored, error))
         return {"stored": results, "stats": self.take_stats()}
+
+    def _clear_chunk_paths(self, prefix: list[int], ids: list[int]) -> None:
+        """Before vineyard writes these chunks: what is at their paths and
+        is not a regular file (a FIFO would block the write, a link would be
+        followed outside the root) is removed, counted as a corrupt chunk.
+        A regular file is kept (vineyard keeps a chunk it has)."""
+        bpc = self._spec.blocks_per_chunk
+        for end in range(bpc, len(ids) + 1, bpc):
+            path = self._files.path(prefix + ids[:end])
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue  # absent: the common case
+            if stat.S_ISREG(mode):
+                continue
+            try:
+                if stat.S_ISDIR(mode):
+                    os.rmdir(path)  # only if empty: never a tree
+                else:
+                    os.unlink(path)  # the link itself, never its target
+            except OSError:
+                pass  # then vineyard's write of it fails, counted as such
+            self._stats["corrupt_chunks"] += 1
+            self._log.warning(
+                "irregular",
+                "vineyard cache: removed what is not a chunk at a chunk path: %s",
+                path,
+            )
 
     def _regular_chunks(self, prefix: list[int], ids: list[int]) -> int:
         """How many of ``ids`` lie in chunks whose paths hold a regular
