@@ -26,6 +26,7 @@ from vineyard_disk_testing import (
 from vineyard_testing import wait_until
 
 from vllm.worker.vineyard_backend import _write_error_reason
+from vllm.worker.vineyard_lookup import VineyardCacheLookup
 from vllm.worker.vineyard_sweeper import TEMP_DIR, RootSweeper
 
 FS_BYTES = 1 << 20  # about 50 chunks of 16.5 KB (20 KiB on disk each)
@@ -58,8 +59,8 @@ def assert_consistent(h: Harness) -> None:
 def test_full_disk_fails_cleanly_then_recovers(small_fs: Path) -> None:
     """Write prefixes until the filesystem is full: the failed writes are
     counted (``write_errors``, ``updates_failed``), never as completed; no
-    chunk file is ever partial; every load is verified (a prefix that did
-    not fit loads only its leading whole chunks, bit-exact). Then the
+    partial chunk file is ever loaded; every load is verified (a prefix that
+    did not fit loads only its leading whole chunks, bit-exact). Then the
     writer's own sweeper (its budget far above the filesystem, so only the
     free-space rule applies) evicts, and writes succeed again without
     anything else being done."""
@@ -78,11 +79,19 @@ def test_full_disk_fails_cleanly_then_recovers(small_fs: Path) -> None:
         assert c["updates_completed"] < c["updates_submitted"]
         assert c["tokens_rejected"] == 0  # a write error is no prefix refusal
         assert_consistent(h)
+        # Where the filesystem filled mid-chunk, vineyard may leave that
+        # chunk cut short at its path: never loaded, as the scheduler's
+        # lookup (before every load) removes it and counts it as corrupt.
+        failed = written[-1]
+        partial = partial_chunk_files(h.files)
+        assert len(partial) <= 1
+        lookup = VineyardCacheLookup(h.cache.config, [h.cache.layout])
+        lookup.lookup(h.digests(failed), 0, len(failed))
+        assert lookup.metrics.snapshot()["corrupt_chunks"] == len(partial)
         assert partial_chunk_files(h.files) == []
 
         # Reads go on; what was cut short loads only whole verified chunks
         # (h.load checks the bytes).
-        failed = written[-1]
         assert h.load(failed) < 4 * CHUNK_SIZE
         assert max(h.load(tokens) for tokens in written[:-1]) == 4 * CHUNK_SIZE
         assert h.counters()["corrupt_chunks"] == 0

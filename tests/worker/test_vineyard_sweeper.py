@@ -11,10 +11,13 @@ background sweeps are kept out of the way (a long interval, a huge limit).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,8 +31,16 @@ from vineyard_disk_testing import (
     open_cache,
 )
 
+from vllm.worker import vineyard_sweeper as sweeper_module
 from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import MANIFEST, write_manifest
+from vllm.worker.vineyard_root import (
+    MANIFEST,
+    ROOT_FILES,
+    SWEEP_LOCK,
+    USAGE_LEDGER,
+    scan_root,
+    write_manifest,
+)
 from vllm.worker.vineyard_store import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
 from vllm.worker.vineyard_sweeper import (
     EMPTY_DIR_MIN_AGE_S,
@@ -219,7 +230,7 @@ def test_empty_directories(tmp_path: Path) -> None:
     # Everything gone and old: the root stays (the writers' mkdir target).
     chunk.unlink()
     s.sweep(now + 10 * TEMP_MAX_AGE_S)
-    assert tmp_path.is_dir() and os.listdir(tmp_path) == []
+    assert tmp_path.is_dir() and sorted(os.listdir(tmp_path)) == sorted(ROOT_FILES)
 
 
 def test_two_sweepers_at_once_keep_live_data(tmp_path: Path) -> None:
@@ -438,10 +449,12 @@ def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None
     s.sweep(later)  # the chunks expire ...
     assert chunk_files(root) == []
     s.sweep(later)  # ... and the folders they leave go the next pass
-    # Only the namespace's manifest stays (never removed), if it has one.
+    # Only the namespace's manifest stays (never removed), if it has one,
+    # and the sweepers' files.
     namespace_dir = h.files.root
     assert os.path.isdir(root)
-    assert os.listdir(root) in ([], [os.path.basename(namespace_dir)])
+    left = set(os.listdir(root)) - set(ROOT_FILES)
+    assert left in (set(), {os.path.basename(namespace_dir)})
     if os.path.exists(namespace_dir):
         assert os.listdir(namespace_dir) == [MANIFEST]
     h.reset_counters()
@@ -450,3 +463,303 @@ def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None
     assert counters["write_errors"] == 0 and counters["updates_failed"] == 0
     assert h.load(second) == 4 * CHUNK_SIZE
     assert h.load(first) == 0
+
+
+# --------------------------------------------------------------------------
+# The budget at every moment, and one pass per root at a time.
+# --------------------------------------------------------------------------
+
+BUDGET = 2 << 20  # about 100 chunks of the real cache (20 KiB on disk each)
+
+
+def bytes_on_disk(root: Path | str) -> tuple[int, int]:
+    """The chunk files under ``root``: their space on disk, and the largest
+    one's."""
+    sizes = [disk_bytes(p) for p in chunk_files(root)]
+    return sum(sizes), max(sizes, default=0)
+
+
+def test_budget_holds_between_sweeps(tmp_path: Path) -> None:
+    """A 2 MiB budget and periodic sweeps an hour apart (none during the
+    test): 60 prefixes of 4 chunks (about 5 MB) written through a real
+    cache. After every save the chunk files on disk take at most the budget
+    plus one chunk: the writer makes room before it writes. Every chunk
+    written and gone was evicted and counted; nothing failed; the newest
+    prefix loads whole (what goes is the least recently used)."""
+    root = tmp_path / "root"
+    h = open_cache(root, disk_limit_gb=BUDGET / 2**30, sweep_interval_s=3600.0)
+    try:
+        written = prefixes(60, seed=7)
+        largest = peak = 0
+        for tokens in written:
+            h.write(tokens)
+            total, big = bytes_on_disk(root)
+            largest, peak = max(largest, big), max(peak, total)
+            assert total <= BUDGET + largest, (total, BUDGET, largest)
+        assert peak > 0.8 * BUDGET  # it did fill up
+        h.poll_stats()
+        c = h.counters()
+        assert c["write_errors"] == 0 and c["updates_failed"] == 0
+        assert c["tokens_rejected"] == 0
+        left = len(chunk_files(root))
+        assert c["evicted_chunks"] == 4 * len(written) - left > 0
+        assert h.load(written[-1]) == 4 * CHUNK_SIZE
+        assert bytes_on_disk(root)[0] <= BUDGET
+    finally:
+        h.cache.close()
+
+
+def test_make_room_counts_writes_between_scans(tmp_path: Path) -> None:
+    """The writer's side on its own: the first write runs a pass (the root
+    may be full already); writes that fit the estimate (the last pass's
+    scan plus what was reserved since) need none; one that would pass the
+    limit runs a pass that evicts room for it too, least recently used
+    first; what a write did not store is given back."""
+    now = time.time()
+    for i in range(8):
+        put_file(chunk_path(tmp_path, i), now - 1000 + i)
+    s = sweeper(tmp_path, limit_chunks=10)
+    assert s.make_room(CHUNK_BYTES)  # never measured: a pass, nothing to evict
+    assert s.take_stats()["evicted_chunks"] == 0
+    put_file(chunk_path(tmp_path, 8), now)
+    s.wrote(CHUNK_BYTES)
+    assert not s.make_room(CHUNK_BYTES)  # 10 chunks: exactly the limit
+    put_file(chunk_path(tmp_path, 9), now)
+    s.wrote(CHUNK_BYTES)
+    assert s.writer_passes == 1
+    # Two more would pass the limit: a pass, room for them below the
+    # high-water mark (9.5 chunks here, 7 left).
+    assert s.make_room(2 * CHUNK_BYTES)
+    stats = s.take_stats()
+    assert stats["root_chunks"] == 7 and stats["evicted_chunks"] == 3
+    assert chunk_path(tmp_path, 9).exists() and not chunk_path(tmp_path, 2).exists()
+    # That write stored nothing: its room is given back, and 3 fit.
+    s.wrote(0)
+    assert not s.make_room(3 * CHUNK_BYTES)
+    assert s.writer_passes == 2
+
+
+def test_writers_share_the_roots_usage(tmp_path: Path) -> None:
+    """Two writers (two processes' sweepers) on one root count each
+    other's reservations through the root's ledger: the second needs no
+    scan of its own, and the one whose write would take the root past the
+    limit, whoever reserved the rest, makes room."""
+    now = time.time()
+    for i in range(6):
+        put_file(chunk_path(tmp_path, i), now - 1000 + i)
+    a, b = sweeper(tmp_path, limit_chunks=10), sweeper(tmp_path, limit_chunks=10)
+    assert a.make_room(CHUNK_BYTES)  # measures the root: 6 chunks
+    assert not b.make_room(2 * CHUNK_BYTES)  # 9: by a's measure
+    assert not a.make_room(CHUNK_BYTES)  # 10
+    assert b.passes == 0
+    assert b.make_room(CHUNK_BYTES)  # 11: a pass first
+    assert b.passes == 1 and a.writer_passes == b.writer_passes == 1
+    # Nothing was written meanwhile: 6 on disk, room enough.
+    assert b.take_stats()["evicted_chunks"] == 0
+
+
+def test_writers_needing_room_at_once_walk_the_root_once(tmp_path: Path) -> None:
+    """Writers that need room at the same moment (the TP ranks of an
+    instance crossing the limit together): one walks the root and evicts
+    down to the low-water mark; the others wait for its lock, then find
+    room by the ledger without a walk of their own."""
+    now = time.time()
+    for i in range(99):
+        put_file(chunk_path(tmp_path, i), now - 1000 + i)
+    first = sweeper(tmp_path, limit_chunks=100)
+    assert first.sweep(now)  # 99: down to 85
+    for i in range(14):
+        put_file(chunk_path(tmp_path, 1000 + i), now)
+    assert not first.make_room(14 * CHUNK_BYTES)  # 99 again, by the ledger
+    first.wrote(14 * CHUNK_BYTES)
+    ranks = [sweeper(tmp_path, limit_chunks=100) for _ in range(4)]
+    threads = [
+        threading.Thread(target=s.make_room, args=(2 * CHUNK_BYTES,)) for s in ranks
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sum(s.writer_passes for s in ranks) == sum(s.passes for s in ranks) == 1
+    assert sum(s.take_stats()["evicted_chunks"] for s in ranks) == 99 - 85
+    assert len(chunk_files(tmp_path)) == 85
+
+
+def test_budget_holds_for_two_writers(tmp_path: Path) -> None:
+    """Two real caches (two instances) writing in turns to one root under a
+    2 MiB budget, with periodic sweeps an hour apart: they share the root's
+    usage, so after every save the chunk files take at most the budget plus
+    one chunk per writer (counting only its own writes, each would let the
+    root grow to twice the budget)."""
+    root = tmp_path / "root"
+    caches = [
+        open_cache(root, seed=k, disk_limit_gb=BUDGET / 2**30, sweep_interval_s=3600.0)
+        for k in range(2)
+    ]
+    try:
+        largest = peak = 0
+        for i, tokens in enumerate(prefixes(60, seed=8)):
+            caches[i % 2].write(tokens)
+            total, big = bytes_on_disk(root)
+            largest, peak = max(largest, big), max(peak, total)
+            assert total <= BUDGET + 2 * largest, (total, BUDGET, largest)
+        assert peak > 0.8 * BUDGET
+        evicted = 0
+        for h in caches:
+            h.poll_stats()
+            c = h.counters()
+            assert c["write_errors"] == 0 and c["updates_failed"] == 0
+            evicted += c["evicted_chunks"]
+        assert evicted == 4 * 60 - len(chunk_files(root)) > 0
+    finally:
+        for h in caches:
+            h.cache.close()
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(root: Path, name: str = SWEEP_LOCK) -> Iterator[None]:
+    """Another process holds the lock of the root's sweep lock file (as its
+    sweep would) or ledger."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(root / name)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        yield
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()  # it exits: the lock goes with it
+        holder.wait(10)
+
+
+def test_one_pass_per_root_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another process holds the root's lock a sweep does nothing
+    (counted) and a writer that needs room waits for the lock, then makes
+    its room regardless; once the lock is free sweeps proceed. Two sweepers
+    of one process take turns as well."""
+    monkeypatch.setattr(sweeper_module, "LOCK_WAIT_S", 0.5)
+    now = time.time()
+    paths = [put_file(chunk_path(tmp_path, i), now - 1000 + i) for i in range(20)]
+    a, b = sweeper(tmp_path, limit_chunks=10), sweeper(tmp_path, limit_chunks=10)
+    with lock_held_elsewhere(tmp_path):
+        assert not a.sweep(now) and not b.sweep(now)
+        assert a.skipped_sweeps == b.skipped_sweeps == 1
+        assert all(p.exists() for p in paths)
+        assert a.take_stats()["evicted_chunks"] == 0
+        start = time.monotonic()
+        assert b.make_room(CHUNK_BYTES)  # waited, then swept unlocked
+        assert time.monotonic() - start >= 0.5
+        assert b.take_stats()["evicted_chunks"] == 12
+    old = [put_file(chunk_path(tmp_path, 100 + i), now - 2000) for i in (0, 1)]
+    assert a.sweep(now) and a.skipped_sweeps == 1  # 10 chunks: over the mark
+    assert a.take_stats()["evicted_chunks"] == 2
+    assert not any(p.exists() for p in old)
+    # In one process: a pass holds the lock, another sweeper's sweep
+    # meanwhile is skipped.
+    fd, held = a._lock_root(0.0)
+    assert held and fd is not None
+    try:
+        assert not b.sweep(now) and b.skipped_sweeps == 2
+    finally:
+        os.close(fd)
+    assert b.sweep(now)
+
+
+def test_a_ledger_held_elsewhere_costs_one_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds the root's ledger (a hostile user, a stopped
+    process): the writer waits for it once, then counts on its own for a
+    while (logged once), so its writes are not slowed further, and the
+    limit still holds by its own count."""
+    monkeypatch.setattr(sweeper_module, "LEDGER_WAIT_S", 0.3)
+    s = sweeper(tmp_path, limit_chunks=10)
+    with (
+        lock_held_elsewhere(tmp_path, USAGE_LEDGER),
+        caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"),
+    ):
+        start = time.monotonic()
+        assert s.make_room(CHUNK_BYTES)  # nothing measured yet: a pass
+        for _ in range(5):
+            assert not s.make_room(CHUNK_BYTES)
+            s.wrote(CHUNK_BYTES)
+        assert 0.3 <= time.monotonic() - start < 1.5
+        assert s.make_room(5 * CHUNK_BYTES)  # 11 chunks by its count: a pass
+    (record,) = [r for r in caplog.records if "ledger" in r.getMessage()]
+    assert "held by another" in record.getMessage()
+
+
+def test_a_recent_sweep_elsewhere_is_not_repeated(tmp_path: Path) -> None:
+    """A periodic sweep due within an interval of another process's sweep
+    walks nothing: it takes that sweep's figures from the root's ledger.
+    After :data:`MAX_SKIPPED_INTERVALS` of that it sweeps regardless (its
+    own TTL and limit apply too)."""
+    now = time.time()
+    for i in range(5):
+        put_file(chunk_path(tmp_path, i), now)
+    a, b = sweeper(tmp_path), sweeper(tmp_path)
+    assert a.sweep()
+    assert b._swept_elsewhere() and b.skipped_sweeps == 1 and b.passes == 0
+    stats = b.take_stats()
+    assert (stats["root_chunks"], stats["root_bytes"]) == (5, 5 * CHUNK_BYTES)
+    b._last_pass -= (sweeper_module.MAX_SKIPPED_INTERVALS + 1) * b.interval_s
+    assert not b._swept_elsewhere()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling", "fifo", "directory"])
+@pytest.mark.parametrize("name", ROOT_FILES)
+def test_planted_sweeper_files_are_never_followed(
+    tmp_path: Path, planted: str, name: str
+) -> None:
+    """Something not a regular file at the path of the sweepers' lock or
+    ledger (another user of a shared root): sweeps and writers go on
+    without it, follow no link, create and touch nothing there, and the
+    entry stays (reported, never removed). The real files are the cache's
+    own: never reported, never removed."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    lock = root / name
+    target = outside / "target"
+    if planted == "symlink":
+        target.write_bytes(b"theirs")
+        lock.symlink_to(target)
+    elif planted == "dangling":
+        lock.symlink_to(target)
+    elif planted == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    put_file(chunk_path(root, 1), time.time() - LONG_AGO)
+    s = RootSweeper(str(root), 1, ttl_s=1.0, interval_s=3600.0)
+    assert s.sweep() and s.sweep()
+    assert s.take_stats()["expired_chunks"] == 1
+    assert s.make_room(2) and s.make_room(2)  # over the 1-byte limit
+    assert os.path.lexists(lock)
+    assert lock.is_symlink() == (planted in ("symlink", "dangling"))
+    assert target.exists() == (planted == "symlink")
+    if planted == "symlink":
+        assert target.read_bytes() == b"theirs"
+    assert [f.path for f in scan_root(str(root)).foreign] == [str(lock)]
+
+    # The cache's own lock file.
+    own = tmp_path / "own"
+    own.mkdir()
+    s = RootSweeper(str(own), 1, ttl_s=1.0, interval_s=3600.0)
+    assert s.sweep(time.time() + 10 * TEMP_MAX_AGE_S)
+    assert s.make_room(2) and s.make_room(2)
+    assert all((own / f).is_file() for f in ROOT_FILES)
+    assert scan_root(str(own)).foreign == []

@@ -28,7 +28,7 @@ from vineyard_testing import resume_processes, wait_for_writes, wait_until
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
 from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import MANIFEST
+from vllm.worker.vineyard_root import MANIFEST, ROOT_FILES
 from vllm.worker.vineyard_store import (
     extend_digests,
     key_id,
@@ -170,11 +170,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def chunk_files(root: str | os.PathLike[str]) -> list[str]:
     """The chunk files vineyard published under ``root`` (one per chunk):
-    every file outside vineyard's temp folders but the namespace manifest."""
+    every file outside vineyard's temp folders but the namespace manifest
+    and the sweepers' files."""
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != TEMP_DIR]
-        found.extend(os.path.join(dirpath, f) for f in filenames if f != MANIFEST)
+        found.extend(
+            os.path.join(dirpath, f)
+            for f in filenames
+            if f != MANIFEST and f not in ROOT_FILES
+        )
     return found
 
 

@@ -278,7 +278,19 @@ class _VineyardServer:
             self._clear_chunk_paths(prefix, ids)
             for i, digest in enumerate(digests):
                 self._sealer.seal(views[first + i], digest)
+            # The disk limit holds at every write: room for the chunks not
+            # on disk yet is made before they are written (see the sweeper).
+            new: list[int] = []  # per chunk, the bytes it adds
+            if self._sweeper is not None:
+                full = prefix + ids
+                for end in range(len(prefix) + bpc, len(full) + 1, bpc):
+                    on_disk = self._files.is_complete(full[:end])
+                    size = self._sweeper.new_file_bytes(self._files.file_bytes(end))
+                    new.append(0 if on_disk else size)
+                self._sweeper.make_room(sum(new))
             stored = int(self._cache.update(prefix, ids, kv_list[first:][: len(ids)]))
+            if self._sweeper is not None:
+                self._sweeper.wrote(sum(new[: stored // bpc]))
             error = None
             if stored < len(ids) and (
                 not prefix or self._files.is_complete(prefix)

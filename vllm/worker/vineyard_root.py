@@ -13,6 +13,10 @@ namespace directory holds:
   :mod:`vineyard_store`); empty ones are vineyard's placeholders;
 - ``__temp``, where vineyard writes a chunk before renaming it into place.
 
+The root itself also holds the sweepers' files (:data:`ROOT_FILES`): the
+lock (``flock``) that lets one process at a time walk the root, and the
+ledger of its usage that writers share between walks.
+
 Everything else (files outside namespaces or of another shape, links,
 devices, other filesystems mounted inside) is not the cache's own: a scan
 reports it, and nothing here deletes it. Scans follow no link and cross no
@@ -31,6 +35,7 @@ import logging
 import os
 import re
 import stat
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "layout.json"
 TEMP_DIR = "__temp"  # vineyard's, in every namespace directory
+#: In the root: the sweepers' lock file (empty) and their usage ledger
+#: (:class:`Usage`); the cache's own, never removed.
+SWEEP_LOCK = "__sweep.lock"
+USAGE_LEDGER = "__sweep.ledger"
+ROOT_FILES = (SWEEP_LOCK, USAGE_LEDGER)
 #: Largest manifest read (a real one is well under 1 KiB).
 MAX_MANIFEST_BYTES = 1 << 16
 
@@ -465,6 +475,8 @@ class _Scanner:
             for name, st in self._list(root_fd, scan.root) or []:
                 path = os.path.join(scan.root, name)
                 parsed = parse_namespace_name(name)
+                if name in ROOT_FILES and stat.S_ISREG(st.st_mode):
+                    continue  # the cache's own, and no chunk
                 if stat.S_ISDIR(st.st_mode) and parsed is not None:
                     if st.st_dev != self.dev:
                         self._foreign(path, st, "another filesystem mounted here")
@@ -671,6 +683,82 @@ def scan_root(root: str, all_dirs: bool = False) -> RootScan:
     namespace without a manifest, a read of each chunk file's header and
     tail). Does not descend into what is not the cache's."""
     return _Scanner(root, all_dirs).run()
+
+
+# --------------------------------------------------------------------------
+# The sweepers' files.
+# --------------------------------------------------------------------------
+
+
+def open_root_file(root: str, name: str, writable: bool = False) -> int:
+    """Open one of :data:`ROOT_FILES` in ``root``, creating it (as private
+    as the chunk files). Never follows a link and never blocks (a FIFO
+    planted there does not hang a sweeper); raises ``OSError`` when it
+    cannot be opened or is not a regular file."""
+    assert name in ROOT_FILES
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags |= os.O_RDWR if writable else os.O_RDONLY
+    fd = os.open(os.path.join(root, name), flags, 0o660)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass
+class Usage:
+    """The root's usage as its writers share it (:data:`USAGE_LEDGER`): the
+    chunk bytes the last sweep left, plus what writers reserved since."""
+
+    base: int = 0  # chunk bytes on disk after the last sweep
+    chunks: int = 0  # chunk files on disk after the last sweep
+    pending: int = 0  # bytes writers reserved since that sweep's scan began
+    epoch: int = 0  # sweeps so far (a reservation is given back in its own)
+    stamp: float = 0.0  # when the last sweep ended (0: none yet)
+
+
+_LEDGER = struct.Struct("<8sqqqqd")
+_LEDGER_MAGIC = b"vlcusage"
+_LEDGER_MAX = 1 << 62
+
+
+def read_ledger(fd: int) -> Usage | None:
+    """The ledger's :class:`Usage`, or ``None`` when it is new, unreadable
+    or not a ledger (the next sweep writes it anew)."""
+    try:
+        raw = os.pread(fd, _LEDGER.size, 0)
+    except OSError:
+        return None
+    if len(raw) != _LEDGER.size:
+        return None
+    magic, base, chunks, pending, epoch, stamp = _LEDGER.unpack(raw)
+    if (
+        magic != _LEDGER_MAGIC
+        or not all(0 <= n < _LEDGER_MAX for n in (base, chunks, pending, epoch))
+        or not 0.0 <= stamp < float(_LEDGER_MAX)
+    ):
+        return None
+    return Usage(base, chunks, pending, epoch, stamp)
+
+
+def write_ledger(fd: int, usage: Usage) -> None:
+    """Write ``usage`` in place (one small write; raises ``OSError``)."""
+    os.pwrite(
+        fd,
+        _LEDGER.pack(
+            _LEDGER_MAGIC,
+            *(
+                min(max(n, 0), _LEDGER_MAX - 1)
+                for n in (usage.base, usage.chunks, usage.pending)
+            ),
+            usage.epoch % _LEDGER_MAX,
+            usage.stamp,
+        ),
+        0,
+    )
 
 
 # --------------------------------------------------------------------------

@@ -23,8 +23,32 @@ directories of namespaces. Namespace manifests are never removed; files
 outside namespaces or of another shape, links and mount points are left
 alone (logged once, not counted in the cache's size).
 
-Several instances sweeping one root at once only race to delete the same
-files, which is harmless. Evicting chunk ``k`` of a prefix makes its later
+Between sweeps the writers hold the disk limit themselves
+(:meth:`RootSweeper.make_room`). They share an estimate of the root's usage
+in its :data:`~vineyard_root.USAGE_LEDGER` (under ``flock``): what the last
+sweep left, plus what every writer reserved since. A writer reserves the
+chunks it is about to write; when they do not fit under the limit it first
+runs a pass at once that evicts room for them too. So the chunk files of
+all the writers that share the ledger stay within the limit, plus the
+chunks that are being written while a scan runs (at most one write, a few
+chunks, per writer). Where the ledger cannot be had (a read-only root, a
+filesystem without locks, a ledger held for over :data:`LEDGER_WAIT_S`)
+each writer counts its own writes: the limit then holds within one write
+per writer plus what the others stored since this writer's last scan. The
+free-space part of the budget stays the periodic sweeps'. The ledger is
+advisory: a wrong value costs an extra pass or an overshoot until the next
+sweep, never data.
+
+One pass per root at a time: a pass holds ``flock`` on the root's
+:data:`~vineyard_root.SWEEP_LOCK` (so that N instances of M ranks do not all
+walk the root every interval). A periodic sweep that finds it held is
+skipped; a writer that needs room waits for it up to :data:`LOCK_WAIT_S`,
+then runs its pass regardless. Where there is no lock to be had (a file
+planted at its path, a filesystem without locks) passes go unlocked: several
+at once only race to delete the same files (the same LRU order), which is
+harmless. Both files are opened without following links.
+
+Evicting chunk ``k`` of a prefix makes its later
 chunks unreachable (lookups stop at the first missing chunk) until they are
 evicted in turn; nothing unverified is ever loaded either way.
 
@@ -33,12 +57,15 @@ Imports neither vLLM nor torch (it runs in the backend process).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 if __package__:
     from vllm.worker import vineyard_root as root_format
@@ -57,6 +84,20 @@ TEMP_DIR = root_format.TEMP_DIR
 #: Most entries that are not the cache's remembered as logged (each is
 #: logged once; past this many, no more are).
 MAX_REPORTED = 10_000
+#: Longest a writer that needs room waits for another process's pass before
+#: it runs its own unlocked (well within the writer's call timeout).
+LOCK_WAIT_S = 5.0
+_LOCK_POLL_S = 0.05
+#: A process that found the lock held at every sweep for this many
+#: intervals (a lock held that long) waits for it, then sweeps regardless.
+MAX_SKIPPED_INTERVALS = 10
+#: A new chunk file's space on disk is estimated in blocks of this size
+#: (until the next scan counts it exactly).
+DISK_BLOCK = 4096
+#: Longest wait for the ledger's lock (held for microseconds at a time)
+#: before this process counts on its own, for the next LEDGER_RETRY_S.
+LEDGER_WAIT_S = 1.0
+LEDGER_RETRY_S = 60.0
 
 
 def evict_lru(
@@ -103,6 +144,20 @@ class RootSweeper:
         # Chunk files removed since the last take_stats (for KV events).
         self._removed: list[str] = []
         self._reported: set[str] = set()  # entries not the cache's, logged
+        # One pass at a time in this process (the thread's, the writer's).
+        self._pass_lock = threading.Lock()
+        self._last_pass = time.monotonic()
+        self._lock_warned = False
+        # The root's usage (see the module docstring): the ledger's, kept
+        # here too for when it cannot be had.
+        self._ledger_lock = threading.Lock()
+        self._ledger_retry_at = 0.0
+        self._ledger_warned = False
+        self._usage_here = root_format.Usage()
+        self._reservation = (-1, 0)  # epoch, bytes: make_room's last
+        self.passes = 0
+        self.skipped_sweeps = 0  # another process held the root's lock
+        self.writer_passes = 0  # passes make_room ran
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-sweeper", daemon=True
@@ -118,11 +173,33 @@ class RootSweeper:
         # Instances started together should not sweep in lockstep.
         delay = random.uniform(0.1, 1.0) * min(self.interval_s, 5.0)
         while not self._stop.wait(delay):
+            # A pass the writer ran to make room counts as this one.
+            due = self._last_pass + self.interval_s - time.monotonic()
+            if self.passes and due > 0:
+                delay = due
+                continue
+            delay = self.interval_s
             try:
-                self.sweep()
+                if not self._swept_elsewhere():
+                    self.sweep()
             except Exception:  # noqa: BLE001 - upkeep must never kill serving
                 logger.exception("vineyard cache sweep failed")
-            delay = self.interval_s
+
+    def _swept_elsewhere(self) -> bool:
+        """Whether another process swept the root within the interval (by
+        the ledger), so that this one need not walk it again: then take its
+        figures. Not for :data:`MAX_SKIPPED_INTERVALS` in a row, so that
+        every process's own settings (TTL, limit) still apply."""
+        if time.monotonic() - self._last_pass > MAX_SKIPPED_INTERVALS * self.interval_s:
+            return False
+        with self._usage() as usage:
+            stamp, base, chunks = usage.stamp, usage.base, usage.chunks
+        if not (stamp > 0 and abs(time.time() - stamp) < self.interval_s):
+            return False
+        with self._lock:
+            self.root_bytes, self.root_chunks = base, chunks
+            self.skipped_sweeps += 1
+        return True
 
     def take_stats(self) -> dict[str, int]:
         """Counts since the last call, and the root's current size."""
@@ -153,9 +230,197 @@ class RootSweeper:
                 self._removed.append(chunk.path)
         return True
 
-    def sweep(self, now: float | None = None) -> None:
-        """One pass over the root: ``stat`` every entry once, then delete."""
+    def sweep(self, now: float | None = None) -> bool:
+        """One pass over the root, unless another process is running one
+        (holds the root's lock): then nothing, and False."""
+        with self._pass_lock:
+            # Skipped for too long (a lock held that long): wait, then go.
+            idle_s = time.monotonic() - self._last_pass
+            stale = idle_s > MAX_SKIPPED_INTERVALS * self.interval_s
+            return self._locked_pass(now, 0, LOCK_WAIT_S if stale else 0.0)
+
+    def make_room(self, nbytes: int) -> bool:
+        """Called by the writer before it stores ``nbytes`` more on disk:
+        reserve them in the root's usage; when they do not fit under the
+        disk limit (or no recent sweep measured the root), first run a pass
+        that evicts room for them too. Then call :meth:`wrote`. Returns
+        whether it ran a pass."""
+        if nbytes <= 0 or self._reserve(nbytes, force=False):
+            return False
+        with self._pass_lock:
+            fd, _ = self._lock_root(LOCK_WAIT_S)
+            try:
+                # Another pass (this process's, or one waited for above)
+                # may have made room: then no walk of the root.
+                if self._reserve(nbytes, force=False):
+                    return False
+                self.writer_passes += 1
+                try:
+                    self._pass(None, nbytes)
+                except Exception:  # noqa: BLE001 - upkeep must never fail a write
+                    logger.exception("vineyard cache sweep failed")
+                self._reserve(nbytes, force=True)  # what room there is: write
+                return True
+            finally:
+                if fd is not None:
+                    os.close(fd)  # releases the lock
+
+    def wrote(self, nbytes: int) -> None:
+        """Of what :meth:`make_room` reserved, the writer stored ``nbytes``:
+        the rest is given back (unless a sweep has counted since)."""
+        epoch, reserved = self._reservation
+        self._reservation = (-1, 0)
+        if reserved > nbytes:
+            with self._usage() as usage:
+                if usage.epoch == epoch:
+                    usage.pending = max(0, usage.pending - (reserved - nbytes))
+
+    @staticmethod
+    def new_file_bytes(size: int) -> int:
+        """The space a new file of ``size`` bytes takes, as estimated until
+        a scan counts it (whole blocks)."""
+        return -(-size // DISK_BLOCK) * DISK_BLOCK
+
+    def _reserve(self, nbytes: int, force: bool) -> bool:
+        """Add ``nbytes`` to the root's pending usage if they fit under the
+        limit by a recent sweep's measure (or ``force``); whether added."""
+        with self._usage() as usage:
+            age_s = time.time() - usage.stamp
+            fits = (
+                usage.stamp > 0
+                and abs(age_s) <= 2 * self.interval_s  # hosts' clocks differ
+                and usage.base + usage.pending + nbytes <= self.limit_bytes
+            )
+            if not (fits or force):
+                return False
+            usage.pending += nbytes
+            self._reservation = (usage.epoch, nbytes)
+            return True
+
+    @contextlib.contextmanager
+    def _usage(self) -> Iterator[root_format.Usage]:
+        """The root's usage, to read and update: the ledger's, under its
+        lock; where it cannot be had, this process's own."""
+        with self._ledger_lock:
+            fd = self._open_ledger()
+            if fd is None:
+                yield self._usage_here
+                return
+            try:
+                usage = root_format.read_ledger(fd) or root_format.Usage()
+                yield usage
+                self._usage_here = dataclasses.replace(usage)
+                try:
+                    root_format.write_ledger(fd, usage)
+                except OSError as e:
+                    self._warn_ledger(f"cannot write it ({e})")
+            finally:
+                os.close(fd)  # releases the lock
+
+    def _open_ledger(self) -> int | None:
+        """The ledger, open and locked (closing it releases the lock);
+        ``None`` where it cannot be had (then not tried again for
+        :data:`LEDGER_RETRY_S`: a ledger held that long would slow every
+        write)."""
+        if time.monotonic() < self._ledger_retry_at:
+            return None
+        try:
+            fd = root_format.open_root_file(
+                self.root, root_format.USAGE_LEDGER, writable=True
+            )
+        except OSError as e:
+            self._warn_ledger(f"cannot open it ({e})")
+            return None
+        deadline = time.monotonic() + LEDGER_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    self._warn_ledger(f"held by another for over {LEDGER_WAIT_S} s")
+                    return None
+                time.sleep(_LOCK_POLL_S / 10)
+            except OSError as e:  # a filesystem without locks
+                os.close(fd)
+                self._warn_ledger(f"cannot lock it ({e})")
+                return None
+
+    def _warn_ledger(self, why: str) -> None:
+        self._ledger_retry_at = time.monotonic() + LEDGER_RETRY_S
+        if not self._ledger_warned:
+            self._ledger_warned = True
+            logger.warning(
+                "vineyard cache writer on %s counts only its own writes between "
+                "sweeps: the usage ledger %s %s (writers of other processes "
+                "may then take the root past its limit by what they write "
+                "between this one's sweeps); logged once",
+                self.root,
+                root_format.USAGE_LEDGER,
+                why,
+            )
+
+    def _locked_pass(self, now: float | None, need: int, wait_s: float) -> bool:
+        fd, go = self._lock_root(wait_s)
+        if not go:
+            with self._lock:
+                self.skipped_sweeps += 1
+            logger.debug("vineyard cache sweep of %s skipped: another runs", self.root)
+            return False
+        try:
+            self._pass(now, need)
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+        return True
+
+    def _lock_root(self, wait_s: float) -> tuple[int | None, bool]:
+        """Take the root's lock: ``(fd, True)`` when held (closing ``fd``
+        releases it); ``(None, False)`` when another process holds it, or,
+        after waiting ``wait_s`` for it, ``(None, True)``: the caller needs
+        its pass. Where no lock can be had, ``(None, True)``: the pass goes
+        unlocked (see the module docstring)."""
+        try:
+            fd = root_format.open_root_file(self.root, root_format.SWEEP_LOCK)
+        except OSError as e:
+            self._warn_unlocked(f"cannot open it ({e})")
+            return None, True
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd, True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    if wait_s > 0:
+                        self._warn_unlocked(f"held by another for over {wait_s} s")
+                    return None, wait_s > 0
+                time.sleep(_LOCK_POLL_S)
+            except OSError as e:  # a filesystem without locks
+                os.close(fd)
+                self._warn_unlocked(f"cannot lock it ({e})")
+                return None, True
+
+    def _warn_unlocked(self, why: str) -> None:
+        if not self._lock_warned:
+            self._lock_warned = True
+            logger.warning(
+                "vineyard cache sweep of %s runs without its lock %s: %s "
+                "(processes may then sweep the root at once: harmless, only "
+                "more work); logged once",
+                self.root,
+                root_format.SWEEP_LOCK,
+                why,
+            )
+
+    def _pass(self, now: float | None, need: int) -> None:
+        """``stat`` every entry once, then delete; over the high-water mark
+        (``need`` bytes about to be written counted in), evict."""
         now = time.time() if now is None else now
+        with self._usage() as usage:
+            pending = usage.pending  # reserved before the scan: it counts them
         scan = root_format.scan_root(self.root)
         self._report(scan)
         self._remove_leftovers(scan, now)
@@ -176,13 +441,24 @@ class RootSweeper:
         # just too full to take the next chunk and never reach the mark.
         largest = max((chunk.disk_bytes for chunk in chunks), default=0)
         high = min(HIGH_WATER * budget, budget - largest)
-        if total > high:
-            target = min(LOW_WATER * budget, budget - 2 * largest)
+        if total + need > high:
+            # The writer waits for this pass: room for its write as well.
+            target = min(LOW_WATER * budget, budget - 2 * largest, high - need)
             done, evicted, total = evict_lru(chunks, total, target, self._remove)
             self._count("evicted_chunks", evicted)
             chunks = chunks[done:]
         with self._lock:
             self.root_bytes, self.root_chunks = total, len(chunks)
+        with self._usage() as usage:
+            # Reserved while the scan ran: maybe counted twice until the
+            # next sweep (the safe side). Reserved before it and still being
+            # written: not counted (at most one write per writer).
+            usage.base, usage.chunks = total, len(chunks)
+            usage.pending = max(0, usage.pending - pending)
+            usage.epoch += 1
+            usage.stamp = time.time()
+        self.passes += 1
+        self._last_pass = time.monotonic()
 
     def _remove_leftovers(self, scan: root_format.RootScan, now: float) -> None:
         """Old temporary files and placeholders (their writer died), then

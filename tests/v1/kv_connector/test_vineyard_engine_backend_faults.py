@@ -20,7 +20,7 @@ from vineyard_engine_testing import (
     standard_prompts,
 )
 
-from vllm.worker.vineyard_root import MANIFEST
+from vllm.worker.vineyard_root import MANIFEST, ROOT_FILES
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -157,7 +157,7 @@ def _flip_a_byte_in_every_chunk(root: Path) -> int:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__temp"]
         for name in filenames:
-            if name == MANIFEST:
+            if name == MANIFEST or name in ROOT_FILES:
                 continue
             flip_a_payload_byte(os.path.join(dirpath, name))
             flipped += 1
