@@ -60,8 +60,10 @@ NUM_BUFFERS = 3  # updates in flight per round
 ROUNDS = 5
 ASYNC_MAX_BLOCKED = 0.35
 IN_PROCESS_MIN_BLOCKED = 0.6
-# The cache's thread in this process only waits for the backend.
-ASYNC_MAX_OTHER_THREADS_CPU = 0.1
+# The cache's thread in this process only waits for the backend (measured
+# 2-12% of a CPU, the high end on a loaded two-core machine; an in-process
+# writer takes most of one).
+ASYNC_MAX_OTHER_THREADS_CPU = 0.15
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity")

@@ -75,7 +75,16 @@ def small_fs(module_dir: Path) -> Iterator[Path]:
     path = module_dir / "fs"
     path.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(path)],
+        # Private, as a cache root must be (a tmpfs is 1777 by default).
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size={FS_BYTES},mode=0700",
+            "tmpfs",
+            str(path),
+        ],
         capture_output=True,
         text=True,
     )
