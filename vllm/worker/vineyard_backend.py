@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -309,19 +310,26 @@ class _VineyardServer:
             results.append((stored, error))
         return {"stored": results, "stats": self.take_stats()}
 
+    def _chunk_entries(
+        self, prefix: list[int], ids: list[int]
+    ) -> Iterator[tuple[int, str, int | None]]:
+        """``(end, path, mode)`` of the path of each whole chunk of ``ids``
+        (``mode`` from ``lstat``, ``None`` if nothing is there)."""
+        bpc = self._spec.blocks_per_chunk
+        for end in range(bpc, len(ids) + 1, bpc):
+            path = self._files.path(prefix + ids[:end])
+            try:
+                yield end, path, os.lstat(path).st_mode
+            except OSError:
+                yield end, path, None
+
     def _clear_chunk_paths(self, prefix: list[int], ids: list[int]) -> None:
         """Before vineyard writes these chunks: what is at their paths and
         is not a regular file (a FIFO would block the write, a link would be
         followed outside the root) is removed, counted as a corrupt chunk.
         A regular file is kept (vineyard keeps a chunk it has)."""
-        bpc = self._spec.blocks_per_chunk
-        for end in range(bpc, len(ids) + 1, bpc):
-            path = self._files.path(prefix + ids[:end])
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                continue  # absent: the common case
-            if stat.S_ISREG(mode):
+        for _, path, mode in self._chunk_entries(prefix, ids):
+            if mode is None or stat.S_ISREG(mode):
                 continue
             try:
                 if stat.S_ISDIR(mode):
@@ -342,12 +350,9 @@ class _VineyardServer:
         file or nothing; an entry of another kind (a link, a FIFO, a
         directory) is never opened, and is counted as a corrupt chunk."""
         bpc = self._spec.blocks_per_chunk
-        for end in range(bpc, len(ids) + 1, bpc):
-            path = self._files.path(prefix + ids[:end])
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                return len(ids)  # missing: vineyard's read stops there anyway
+        for end, path, mode in self._chunk_entries(prefix, ids):
+            if mode is None:
+                break  # missing: vineyard's read stops there anyway
             if not stat.S_ISREG(mode):
                 self._stats["corrupt_chunks"] += 1
                 self._log.warning(
