@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,33 @@ def plant(root: Path, outside: Path) -> dict[Path, bytes]:
     return files
 
 
+def remove_deep_tree(top: Path) -> None:
+    """Remove the planted tree bottom-up through descriptors (pytest's own
+    clean-up of old temp folders recurses and would fail on it)."""
+    fds = [os.open(top, os.O_RDONLY)]
+    while True:
+        try:
+            fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+        except FileNotFoundError:
+            break
+    while len(fds) > 1:
+        os.close(fds.pop())
+        os.rmdir("d", dir_fd=fds[-1])
+    os.close(fds.pop())
+
+
+@pytest.fixture
+def deep_tree_removed(tmp_path: Path) -> Iterator[None]:
+    yield
+    if (tmp_path / "root" / "deep").exists():
+        remove_deep_tree(tmp_path / "root" / "deep")
+
+
 def test_a_hostile_root(
-    toy_model: str, reference: ReferenceRunner, tmp_path: Path
+    toy_model: str,
+    reference: ReferenceRunner,
+    tmp_path: Path,
+    deep_tree_removed: None,
 ) -> None:
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
