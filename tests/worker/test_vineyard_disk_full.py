@@ -105,7 +105,8 @@ def test_full_disk_fails_cleanly_then_recovers(small_fs: Path) -> None:
             free = st.f_bavail * st.f_frsize
             return h.counters()["evicted_chunks"] > 0 and free > 0.12 * FS_BYTES
 
-        assert wait_until(room, 30.0), "the sweeper never made room"
+        # Generous: on a loaded machine a sweep can wait for the root's lock.
+        assert wait_until(room, 90.0), "the sweeper never made room"
         h.reset_counters()
         for tokens in (failed, *prefixes(1, seed=11)):
             h.write(tokens, max_saves=1)
