@@ -155,6 +155,9 @@ def test_backend_restarts_then_is_disabled_after_too_many(make_cache: CacheFacto
         threading.Thread(target=load, daemon=True).start()
         assert done.wait(h.config.backend_timeout_s / 2), "load blocked"
         assert results == [0]
+    # The first of those loads found the reader dead and started a restart
+    # on another thread; that thread is what disables the backend.
+    wait_restarted(h)
     reader = h.cache._reader
     assert reader is not None
     assert reader.disabled_reason is not None
