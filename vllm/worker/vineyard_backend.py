@@ -644,9 +644,12 @@ class BackendProcess:
                 pass_fds=(child_sock.fileno(), self._shm_fd),
                 stdin=subprocess.DEVNULL,
                 env=env,
-                # Own session: a terminal's Ctrl-C goes to vLLM, which then
-                # shuts us down in order.
-                start_new_session=True,
+                # Own process group: a terminal's Ctrl-C goes to vLLM, which
+                # then shuts us down in order. Not a session of its own:
+                # Linux schedules each session as one group (autogroup), and
+                # a fresh group on a loaded core was seen to wait 20 s and
+                # more before its first run there.
+                process_group=0,
             )
         finally:
             child_sock.close()
