@@ -10,6 +10,7 @@ someone else) run where the tests run as root (CI does) and skip elsewhere.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from vineyard_cache_testing import CacheFactory, make_tokens
 
 from vllm.worker.vineyard_root import check_root
+from vllm.worker.vineyard_store import key_id, load_auth_key
 
 SETTING = "VINEYARD_CACHE_ROOT"
 OTHER_UID = 4242
@@ -162,3 +164,22 @@ def test_a_write_never_opens_what_is_not_a_regular_file(
     assert counters["corrupt_chunks"] == 1
     assert counters["updates_failed"] == 0
     assert h.lookup(tokens)[0] == 3 * h.chunk_size
+
+
+def test_the_key_id_costs_a_memory_hard_hash_per_guess(tmp_path: Path) -> None:
+    """The key id in namespace names (which anyone who lists the root sees)
+    is scrypt of the key, not a fast hash: each offline guess of a weak
+    secret costs scrypt's 16 MiB and tens of milliseconds."""
+    (tmp_path / "a").write_bytes(b"a" * 32)
+    (tmp_path / "b").write_bytes(b"b" * 32)
+    a = load_auth_key(str(tmp_path / "a"))
+    b = load_auth_key(str(tmp_path / "b"))
+    assert a is not None and b is not None
+    assert key_id(None) == "nokey"
+    assert key_id(a) == key_id(a) != key_id(b)
+    expected = hashlib.scrypt(
+        a, salt=b"vineyard-llm-cache key id", n=1 << 14, r=8, p=1, dklen=6
+    ).hex()
+    assert key_id(a) == expected
+    fast = hashlib.blake2b(a, digest_size=6, person=b"vineyard-id").hexdigest()
+    assert key_id(a) != fast

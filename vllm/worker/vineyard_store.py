@@ -27,6 +27,7 @@ scripts) and the scheduler both use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import time
@@ -123,12 +124,18 @@ def load_auth_key(
     return hashlib.blake2b(secret, digest_size=32, person=b"vineyard-kv").digest()
 
 
+@functools.lru_cache(maxsize=16)
 def key_id(key: bytes | None) -> str:
     """A public name of the key (for namespaces): instances with different
-    keys keep apart instead of deleting each other's chunks."""
+    keys keep apart instead of deleting each other's chunks. Anyone who can
+    list the root sees it, so it is costly to compute (scrypt, about 16 MiB
+    and tens of milliseconds): guessing a weak secret from it offline costs
+    that much per guess, not a hash's nanoseconds."""
     if key is None:
         return "nokey"
-    return hashlib.blake2b(key, digest_size=6, person=b"vineyard-id").hexdigest()
+    return hashlib.scrypt(
+        key, salt=b"vineyard-llm-cache key id", n=1 << 14, r=8, p=1, dklen=6
+    ).hex()
 
 
 class Sealer:
