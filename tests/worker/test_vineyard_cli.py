@@ -32,6 +32,7 @@ from vineyard_cache_testing import (
 
 from vllm.worker import vineyard_cli
 from vllm.worker.vineyard_cli import main, parse_size
+from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_root import (
     MANIFEST,
     is_chunk_file,
@@ -42,6 +43,7 @@ from vllm.worker.vineyard_root import (
     write_manifest,
 )
 from vllm.worker.vineyard_store import FORMAT_VERSION
+from vllm.worker.vineyard_sweeper import RootSweeper
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -460,6 +462,10 @@ def test_sizes(size: str) -> None:
         (["ls", "{namespace}"], "namespace directory"),
         (["evict", "{root}", "--to", "12Q"], "--to"),
         (["evict", "{root}"], "--to"),
+        (["settings", "{root}", "--disk-limit", "0"], "--disk-limit"),
+        (["settings", "{root}", "--disk-limit", "lots"], "--disk-limit"),
+        (["settings", "{root}", "--ttl-s", "-1"], "--ttl-s"),
+        (["settings", "{root}", "--ttl-s", "2e9"], "ttl_s"),
         (["verify", "{root}", "--key-file", "{missing}"], "--key-file"),
         (["verify", "{root}", "--key-file", "{short_key}"], "--key-file"),
         (["verify", "{root}", "--rate-mb-s", "0"], "--rate-mb-s"),
@@ -486,6 +492,50 @@ def test_usage_errors_exit_2_naming_the_argument(
     assert code == 2
     assert names in err
     assert out == ""
+
+
+# --------------------------------------------------------------------------
+# settings
+# --------------------------------------------------------------------------
+
+
+def test_settings_show_and_change_what_the_sweepers_follow(
+    make_cache: CacheFactory, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The root's settings: none before its first sweep; the first sweeper
+    records its own; the tool changes them (only what is given), `ls`
+    shows them, and the next sweep evicts down to the new limit."""
+    (tmp_path / "fresh").mkdir()
+    code, doc = run_json(capsys, "settings", tmp_path / "fresh")
+    assert code == 0 and doc["recorded"] is False
+    default_limit = VineyardLLMCacheConfig().disk_limit_gb * (1 << 30)
+    assert default_limit == vineyard_cli.DEFAULT_DISK_LIMIT
+
+    h = make_cache()
+    fill(h, 4)
+    root = Path(h.config.root)
+    sweeper = RootSweeper(str(root), 1 << 40, 0.0, 3600.0)
+    sweeper.sweep()  # records its own, unless the cache's writer was first
+    code, doc = run_json(capsys, "settings", root)
+    assert doc["recorded"] and doc["ttl_s"] == 0.0
+    assert doc["disk_limit_bytes"] in (1 << 40, default_limit)
+    total = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.root))
+
+    code, out, _ = run(capsys, "settings", root, "--disk-limit", str(total // 2))
+    assert code == 0 and "now" in out
+    code, doc = run_json(capsys, "settings", root, "--ttl-s", "3600")
+    assert (doc["disk_limit_bytes"], doc["ttl_s"], doc["changed"]) == (
+        total // 2,
+        3600.0,
+        True,
+    )
+    code, out, _ = run(capsys, "ls", root)
+    assert "root settings: disk limit" in out and "TTL 3600 s" in out
+
+    sweeper.sweep()
+    left = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.root))
+    assert 0 < left <= total // 2
+    assert sweeper.ttl_s == 3600.0
 
 
 # --------------------------------------------------------------------------

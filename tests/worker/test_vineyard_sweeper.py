@@ -36,8 +36,12 @@ from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
 from vllm.worker.vineyard_root import (
     MANIFEST,
     ROOT_FILES,
+    ROOT_SETTINGS,
     SWEEP_LOCK,
     USAGE_LEDGER,
+    RootSettings,
+    read_root_settings,
+    record_root_settings,
     scan_root,
     write_manifest,
 )
@@ -65,6 +69,13 @@ NS = namespace()
 
 def sweeper(root: Path, limit_chunks: float = 1e6, ttl_s: float = 0.0) -> RootSweeper:
     return RootSweeper(str(root), int(limit_chunks * CHUNK_BYTES), ttl_s, 3600.0)
+
+
+def set_root(root: str, limit_bytes: int, ttl_s: float = 0.0) -> RootSweeper:
+    """A sweeper of a root whose settings are changed on purpose first (a
+    real cache's own sweeper recorded its settings there already)."""
+    record_root_settings(root, RootSettings(limit_bytes, ttl_s), replace=True)
+    return RootSweeper(root, limit_bytes, ttl_s, 3600.0)
 
 
 def chunk_bytes(size: int) -> bytes:
@@ -387,7 +398,7 @@ def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
         for p in chunk_paths(h, tokens):
             age(p, start)
     chunk_bytes = disk_bytes(chunk_paths(h, hot)[0])
-    s = RootSweeper(str(root), 12 * chunk_bytes + chunk_bytes // 2, 0.0, 3600.0)
+    s = set_root(str(root), 12 * chunk_bytes + chunk_bytes // 2)
     evicted = 0
     for r, tokens in enumerate(news[:10]):
         h.write(tokens)
@@ -419,7 +430,7 @@ def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
         age(p, now)
     age(paths[1], now - 100)  # the least recently used
     total = sum(disk_bytes(p) for p in paths)
-    RootSweeper(h.cache.config.root, total, 0.0, 3600.0).sweep(now)
+    set_root(h.cache.config.root, total).sweep(now)
     # Chunk 1 first (least recently used), then chunk 3 (the tail of the
     # rest): chunk 2 stays on disk behind the gap.
     assert [os.path.exists(p) for p in paths] == [True, False, True, False]
@@ -445,7 +456,7 @@ def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None
     first, second = prefixes(2, seed=3)
     h.write(first)
     later = time.time() + 10 * TEMP_MAX_AGE_S
-    s = RootSweeper(root, 1 << 40, ttl_s=60.0, interval_s=3600.0)
+    s = set_root(root, 1 << 40, ttl_s=60.0)
     s.sweep(later)  # the chunks expire ...
     assert chunk_files(root) == []
     s.sweep(later)  # ... and the folders they leave go the next pass
@@ -763,3 +774,136 @@ def test_planted_sweeper_files_are_never_followed(
     assert s.make_room(2) and s.make_room(2)
     assert all((own / f).is_file() for f in ROOT_FILES)
     assert scan_root(str(own)).foreign == []
+
+
+# --------------------------------------------------------------------------
+# The root's own settings, and last uses in the future.
+# --------------------------------------------------------------------------
+
+
+def test_the_root_settings_govern_every_sweeper(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first sweeper records its limit and TTL in the root; a later one
+    with a smaller limit and a short TTL follows the root's (says so once)
+    and evicts or expires nothing; once the root's are changed on purpose,
+    every sweeper follows them from its next pass."""
+    now = time.time()
+    paths = [put_file(chunk_path(tmp_path, i), now - 100 + i) for i in range(10)]
+    first = sweeper(tmp_path, limit_chunks=100)
+    first.sweep(now)
+    assert read_root_settings(str(tmp_path)) == RootSettings(100 * CHUNK_BYTES, 0.0)
+
+    small = sweeper(tmp_path, limit_chunks=4, ttl_s=10.0)
+    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+        small.sweep(now)
+        small.sweep(now + 1)
+    assert all(p.exists() for p in paths)
+    assert small.take_stats()["root_chunks"] == 10
+    (record,) = [r for r in caplog.records if "settings of its own" in r.getMessage()]
+    assert "vineyard-llm-cache settings" in record.getMessage()
+
+    record_root_settings(
+        str(tmp_path), RootSettings(4 * CHUNK_BYTES, 0.0), replace=True
+    )
+    first.sweep(now + 2)
+    # Down to the low-water mark of the root's new limit, oldest first.
+    left = [p.exists() for p in paths]
+    assert left == [False] * (10 - sum(left)) + [True] * sum(left)
+    assert sum(left) * CHUNK_BYTES <= LOW_WATER * 4 * CHUNK_BYTES
+
+
+def test_unreadable_root_settings_leave_each_sweeper_its_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A settings file that is not valid (or a link, never followed) is not
+    trusted and not overwritten: each sweeper uses its own, and says so."""
+    now = time.time()
+    paths = [put_file(chunk_path(tmp_path, i), now - 100 + i) for i in range(10)]
+    settings = tmp_path / ROOT_SETTINGS
+    settings.write_text('{"disk_limit_bytes": -1, "ttl_s": 0}')
+    with pytest.raises(ValueError, match="disk_limit_bytes"):
+        read_root_settings(str(tmp_path))
+    s = sweeper(tmp_path, limit_chunks=4)
+    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+        s.sweep(now)
+    assert sum(p.exists() for p in paths) <= 4
+    assert "cannot use its settings" in caplog.text
+    assert settings.read_text() == '{"disk_limit_bytes": -1, "ttl_s": 0}'
+
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"disk_limit_bytes": 1, "ttl_s": 0}')
+    settings.unlink()
+    settings.symlink_to(target)
+    with pytest.raises(OSError):
+        read_root_settings(str(tmp_path))
+    s.sweep(now)
+    assert settings.is_symlink() and target.read_text().startswith("{")
+
+
+def test_a_last_use_in_the_future_counts_as_the_oldest(tmp_path: Path) -> None:
+    """A chunk whose mtime lies a day ahead (planted, or a clock far off)
+    is evicted first and expires; one a few seconds ahead (clocks of
+    hosts differ) is taken as recent."""
+    now = time.time()
+    planted = put_file(chunk_path(tmp_path, 0), now + 86400)
+    skewed = put_file(chunk_path(tmp_path, 1), now + 5)
+    paths = [put_file(chunk_path(tmp_path, i), now - 100 + i) for i in range(2, 12)]
+    s = sweeper(tmp_path, limit_chunks=10)
+    s.sweep(now)
+    assert not planted.exists() and skewed.exists()
+    assert not paths[0].exists()  # then the least recently used
+
+    # With a TTL (another root: this one's settings are recorded).
+    other = tmp_path / "other"
+    late = put_file(chunk_path(other, 0), now + 86400)
+    recent = put_file(chunk_path(other, 1), now - 10)
+    sweeper(other, ttl_s=60.0).sweep(now)
+    assert not late.exists() and recent.exists()
+
+
+def test_a_folder_swapped_for_a_link_while_sweeps_run(tmp_path: Path) -> None:
+    """While sweeps that evict everything run, another thread keeps
+    swapping a chunk folder for a link to a folder outside the root that
+    holds chunk-shaped files: nothing outside is ever deleted, and the
+    sweeps still evict the root's own chunks."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    now = time.time()
+    victims = [
+        put_file(outside / "00" / "00" / f"{i:02x}", now - LONG_AGO) for i in range(16)
+    ]
+    folder = root / NS / "00"
+    parked = root / NS / "parked"
+    swapping, stop = threading.Lock(), threading.Event()
+    swaps = 0
+
+    def race() -> None:
+        nonlocal swaps
+        while not stop.is_set():
+            with swapping:
+                folder.rename(parked)
+                folder.symlink_to(outside, target_is_directory=True)
+                time.sleep(random.uniform(0, 0.002))
+                folder.unlink()
+                parked.rename(folder)
+                swaps += 1
+            time.sleep(0.0005)
+
+    for i in range(16):
+        put_file(chunk_path(root, i), now - 1000)
+    racer = threading.Thread(target=race, daemon=True)
+    racer.start()
+    s = sweeper(root, limit_chunks=1)
+    evicted = 0
+    try:
+        for k in range(40):
+            with swapping:  # the folder is in place
+                for i in range(16):
+                    put_file(chunk_path(root, i), now - 1000 + k)
+            s.sweep(now)
+            evicted += s.take_stats()["evicted_chunks"]
+    finally:
+        stop.set()
+        racer.join(5)
+    assert swaps > 40 and evicted > 0
+    assert all(v.exists() for v in victims)

@@ -259,6 +259,7 @@ class _VineyardServer:
                 spec.disk_limit_bytes,
                 spec.ttl_s,
                 spec.sweep_interval_s,
+                spec.group_access,
             )
             self._sweeper.start()
 

@@ -8,6 +8,7 @@
     vineyard-llm-cache verify ROOT [--key-file F] [--remove] [--rate-mb-s R] [--json]
     vineyard-llm-cache purge ROOT (--namespace N | --model M) [--dry-run] [--json]
     vineyard-llm-cache evict ROOT --to SIZE [--dry-run] [--json]
+    vineyard-llm-cache settings ROOT [--disk-limit SIZE] [--ttl-s S] [--json]
 
 Exit codes: 0 done (``verify``: nothing bad found), 1 ``verify`` found bad
 chunks (removed or not), 2 a usage error (the message names the argument).
@@ -48,6 +49,7 @@ _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(?:i?b)?\s*", re.I)
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FORMATS = {None: "unknown (no manifest)", 1: "1 (old)"}
+DEFAULT_DISK_LIMIT = 100 << 30  # VINEYARD_CACHE_DISK_LIMIT_GB's default
 
 
 class UsageError(Exception):
@@ -72,6 +74,16 @@ def _positive(text: str) -> float:
         value = 0.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
 
 
@@ -160,9 +172,11 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     root = check_root(args.root)
     scan = root_format.scan_root(root)
     namespaces = [_namespace_doc(ns) for _, ns in sorted(scan.namespaces.items())]
+    settings, settings_error = _root_settings(root)
     if args.json:
         doc = {
             "root": root,
+            "settings": _settings_doc(settings, settings_error),
             "namespaces": namespaces,
             "total_chunks": len(scan.chunks),
             "total_bytes": sum(c.disk_bytes for c in scan.chunks),
@@ -172,6 +186,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         json.dump(doc, out, indent=2)
         print(file=out)
         return 0
+    print(f"root settings: {_settings_text(settings, settings_error)}", file=out)
     if not namespaces:
         print(f"no cache namespaces under {root}", file=out)
     else:
@@ -625,6 +640,7 @@ def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
         return True
 
     # The sweeper's order: least recently used first.
+    sweeper.distrust_future(chunks, time.time())
     done, removed, after = sweeper.evict_lru(
         chunks, before, args.to, pretend if args.dry_run else remove
     )
@@ -658,6 +674,76 @@ def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
     for name, entry in sorted(by_namespace.items()):
         print(f"  {name}: {entry['chunks']} chunks, {human(entry['bytes'])}", file=out)
     return 0
+
+
+# --------------------------------------------------------------------------
+# settings
+# --------------------------------------------------------------------------
+
+
+def _root_settings(root: str) -> tuple[root_format.RootSettings | None, str | None]:
+    """The root's recorded settings and, where they cannot be read, why."""
+    try:
+        return root_format.read_root_settings(root), None
+    except (OSError, ValueError) as e:
+        return None, str(e)
+
+
+def _settings_doc(
+    settings: root_format.RootSettings | None, error: str | None
+) -> dict[str, Any]:
+    return {
+        "recorded": settings is not None,
+        "disk_limit_bytes": settings.disk_limit_bytes if settings else None,
+        "ttl_s": settings.ttl_s if settings else None,
+        "error": error,
+    }
+
+
+def _settings_text(settings: root_format.RootSettings | None, error: str | None) -> str:
+    if error is not None:
+        return f"unreadable ({error}); each process sweeps with its own"
+    if settings is None:
+        return "none recorded yet (the first instance to sweep records its own)"
+    return settings.describe()
+
+
+def cmd_settings(args: argparse.Namespace, out: TextIO) -> int:
+    root = check_root(args.root)
+    settings, error = _root_settings(root)
+    changed = args.disk_limit is not None or args.ttl_s is not None
+    if changed:
+        # Unset parts: as recorded, else the instances' defaults.
+        base = settings or root_format.RootSettings(DEFAULT_DISK_LIMIT, 0.0)
+        try:
+            new = root_format.RootSettings(
+                base.disk_limit_bytes if args.disk_limit is None else args.disk_limit,
+                base.ttl_s if args.ttl_s is None else args.ttl_s,
+            )
+        except ValueError as e:
+            raise UsageError(str(e).replace("disk_limit_bytes", "--disk-limit")) from e
+        settings = root_format.record_root_settings(
+            root, new, replace=True, group_access=_group_access(root)
+        )
+        error = None
+    if args.json:
+        json.dump(
+            {"root": root, "changed": changed, **_settings_doc(settings, error)}, out
+        )
+        print(file=out)
+        return 0
+    verb = "now" if changed else "are"
+    print(
+        f"the settings of {root} {verb}: {_settings_text(settings, error)}; they "
+        "govern every instance's sweeps of it (from their next sweep)",
+        file=out,
+    )
+    return 0
+
+
+def _group_access(root: str) -> bool:
+    """Whether the root is shared by a group (as the instances set it)."""
+    return bool(os.stat(root).st_mode & stat.S_IRWXG)
 
 
 # --------------------------------------------------------------------------
@@ -724,6 +810,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of chunks to keep at most: 500M, 10G, 1.5T (binary units)",
     )
     p.add_argument("--dry-run", action="store_true", help="only say what would go")
+    p = command(
+        "settings",
+        "show or change the root's own disk limit and TTL, which govern every "
+        "instance's sweeps of it",
+        cmd_settings,
+    )
+    p.add_argument(
+        "--disk-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="most bytes of chunks on the root: 500M, 10G, 1.5T (binary units)",
+    )
+    p.add_argument(
+        "--ttl-s",
+        type=_non_negative,
+        metavar="S",
+        help="seconds after its last use when a chunk expires (0: never)",
+    )
     return parser
 
 

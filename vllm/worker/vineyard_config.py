@@ -176,13 +176,15 @@ class VineyardLLMCacheConfig:
         "100",
         "Most GiB the cache may use under its root, all instances and models "
         "together; least recently used chunks are evicted beyond it (and "
-        "whenever the filesystem runs low on space).",
+        "whenever the filesystem runs low on space). The first instance to "
+        "sweep a root records it there; then the root's value governs.",
         _POSITIVE,
     )
     ttl_s: float = _setting(
         "0",
         "Seconds after its last use (write or hit) when a chunk expires; 0: "
-        "never (the disk limit still applies).",
+        "never (the disk limit still applies). Recorded in the root like the "
+        "disk limit.",
         _number(float, 0, True, 1e9),
     )
     sweep_interval_s: float = _setting(

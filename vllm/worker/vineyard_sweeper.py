@@ -48,6 +48,15 @@ planted at its path, a filesystem without locks) passes go unlocked: several
 at once only race to delete the same files (the same LRU order), which is
 harmless. Both files are opened without following links.
 
+The disk limit and TTL are the root's own (:class:`~vineyard_root.RootSettings`
+in :data:`~vineyard_root.ROOT_SETTINGS`): the first process that sweeps a
+root records its own settings there, and every pass of every process reads
+them, so one instance with a small limit or TTL cannot shrink everyone's
+cache (a process whose own settings differ says so once). Where they cannot
+be read, a process sweeps with its own. A chunk whose last use lies further
+in the future than hosts' clocks differ (:data:`CLOCK_SKEW_S`) counts as the
+oldest: a planted mtime cannot keep a chunk from eviction or expiry.
+
 Evicting chunk ``k`` of a prefix makes its later
 chunks unreachable (lookups stop at the first missing chunk) until they are
 evicted in turn; nothing unverified is ever loaded either way.
@@ -98,6 +107,18 @@ DISK_BLOCK = 4096
 #: before this process counts on its own, for the next LEDGER_RETRY_S.
 LEDGER_WAIT_S = 1.0
 LEDGER_RETRY_S = 60.0
+#: Most that hosts' clocks are taken to differ: a last use further in the
+#: future than this is not believed.
+CLOCK_SKEW_S = 300.0
+
+
+def distrust_future(chunks: list[root_format.ChunkFile], now: float) -> None:
+    """A chunk last used further in the future than :data:`CLOCK_SKEW_S`
+    (a clock far ahead, or a planted mtime) would never age: it counts as
+    the oldest instead, first to be evicted or expired."""
+    for chunk in chunks:
+        if chunk.mtime > now + CLOCK_SKEW_S:
+            chunk.mtime = 0.0
 
 
 def evict_lru(
@@ -129,12 +150,22 @@ class RootSweeper:
     """Background upkeep of a cache root (see the module docstring)."""
 
     def __init__(
-        self, root: str, limit_bytes: int, ttl_s: float, interval_s: float
+        self,
+        root: str,
+        limit_bytes: int,
+        ttl_s: float,
+        interval_s: float,
+        group_access: bool = False,
     ) -> None:
         self.root = root
+        # This process's own settings; the root's recorded ones govern (see
+        # the module docstring), read at every pass.
+        self.own_settings = root_format.RootSettings(limit_bytes, ttl_s)
         self.limit_bytes = limit_bytes
         self.ttl_s = ttl_s
         self.interval_s = interval_s
+        self.group_access = group_access
+        self._settings_noted: root_format.RootSettings | str | None = None
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("evicted_chunks", "expired_chunks", "orphans_removed"), 0
@@ -180,6 +211,8 @@ class RootSweeper:
                 continue
             delay = self.interval_s
             try:
+                # Also for the writer's reservations between passes.
+                self._follow_root_settings()
                 if not self._swept_elsewhere():
                     self.sweep()
             except Exception:  # noqa: BLE001 - upkeep must never kill serving
@@ -189,7 +222,8 @@ class RootSweeper:
         """Whether another process swept the root within the interval (by
         the ledger), so that this one need not walk it again: then take its
         figures. Not for :data:`MAX_SKIPPED_INTERVALS` in a row, so that
-        every process's own settings (TTL, limit) still apply."""
+        a process whose passes keep losing the race still checks the root
+        itself now and then (whoever passes, the root's settings apply)."""
         if time.monotonic() - self._last_pass > MAX_SKIPPED_INTERVALS * self.interval_s:
             return False
         with self._usage() as usage:
@@ -419,12 +453,14 @@ class RootSweeper:
         """``stat`` every entry once, then delete; over the high-water mark
         (``need`` bytes about to be written counted in), evict."""
         now = time.time() if now is None else now
+        self._follow_root_settings()
         with self._usage() as usage:
             pending = usage.pending  # reserved before the scan: it counts them
         scan = root_format.scan_root(self.root)
         self._report(scan)
         self._remove_leftovers(scan, now)
         chunks = scan.chunks
+        distrust_future(chunks, now)
         if self.ttl_s > 0:
             live = []
             for chunk in chunks:
@@ -459,6 +495,44 @@ class RootSweeper:
             usage.stamp = time.time()
         self.passes += 1
         self._last_pass = time.monotonic()
+
+    def _follow_root_settings(self) -> None:
+        """Take the root's settings for this pass, recording this process's
+        own where the root has none yet."""
+        own = self.own_settings
+        try:
+            settings = root_format.read_root_settings(self.root)
+            if settings is None:
+                settings = root_format.record_root_settings(
+                    self.root, own, group_access=self.group_access
+                )
+        except (OSError, ValueError) as e:
+            if self._settings_noted != "own":
+                self._settings_noted = "own"
+                logger.warning(
+                    "vineyard cache root %s: cannot use its settings (%s); this "
+                    "process sweeps with its own (%s) meanwhile; "
+                    "`vineyard-llm-cache settings` records them anew",
+                    self.root,
+                    e,
+                    own.describe(),
+                )
+            settings = own
+        else:
+            if settings != own and settings != self._settings_noted:
+                logger.warning(
+                    "vineyard cache root %s has settings of its own (%s), which "
+                    "govern every process's upkeep of it; this process's (%s, "
+                    "VINEYARD_CACHE_DISK_LIMIT_GB and VINEYARD_CACHE_TTL_S) are "
+                    "not used. Change the root's with `vineyard-llm-cache "
+                    "settings %s --disk-limit SIZE --ttl-s S`",
+                    self.root,
+                    settings.describe(),
+                    own.describe(),
+                    self.root,
+                )
+            self._settings_noted = settings
+        self.limit_bytes, self.ttl_s = settings.disk_limit_bytes, settings.ttl_s
 
     def _remove_leftovers(self, scan: root_format.RootScan, now: float) -> None:
         """Old temporary files and placeholders (their writer died), then
