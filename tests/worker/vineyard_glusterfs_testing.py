@@ -25,7 +25,13 @@ import pytest
 
 
 def _run(*cmd: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    """Run a command; one that hangs counts as failed (exit code 124)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(
+            cmd, 124, "", f"timed out after {timeout_s} s"
+        )
 
 
 def _missing() -> str | None:
