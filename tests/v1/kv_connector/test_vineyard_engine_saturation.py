@@ -33,9 +33,9 @@ NUM_PROMPTS = 4
 PROMPT_LEN = 2048
 # Decode steps in which the skipped chunks are saved, one buffer's write at
 # a time (at nice 10, on a machine other tests keep busy): the three
-# skipped prompts' writes must finish within them. 2048 + 127 tokens still
-# end in the prompt's last whole chunk, so what is saved does not change.
-MAX_TOKENS = 128
+# skipped prompts' writes must finish within them. Each request also saves
+# the two whole chunks of its first 128 generated tokens.
+MAX_TOKENS = 192
 BACKEND_TIMEOUT_S = 120
 # No local prefix cache: every hit of the repeat comes from vineyard.
 LLM_KWARGS = {"max_num_batched_tokens": 2048, "enable_prefix_caching": False}
