@@ -16,12 +16,12 @@ from pathlib import Path
 from vineyard_disk_testing import CHUNK_SIZE, make_tokens, open_cache
 from vineyard_glusterfs_testing import glusterfs_mounts
 
-from vllm.worker.vineyard_root import (
+from vllm.worker.vineyard_root import scan_root
+from vllm.worker.vineyard_root_files import (
     SWEEP_LOCK,
     RootSettings,
     read_root_settings,
     record_root_settings,
-    scan_root,
 )
 from vllm.worker.vineyard_sweeper import RootSweeper
 

@@ -33,8 +33,8 @@ from vineyard_disk_testing import (
 
 from vllm.worker import vineyard_sweeper as sweeper_module
 from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import (
-    MANIFEST,
+from vllm.worker.vineyard_root import MANIFEST, scan_root, write_manifest
+from vllm.worker.vineyard_root_files import (
     ROOT_FILES,
     ROOT_SETTINGS,
     SWEEP_LOCK,
@@ -42,8 +42,6 @@ from vllm.worker.vineyard_root import (
     RootSettings,
     read_root_settings,
     record_root_settings,
-    scan_root,
-    write_manifest,
 )
 from vllm.worker.vineyard_store import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
 from vllm.worker.vineyard_sweeper import (

@@ -28,7 +28,8 @@ from vineyard_testing import resume_processes, wait_for_writes, wait_until
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
 from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import MANIFEST, ROOT_FILES
+from vllm.worker.vineyard_root import MANIFEST
+from vllm.worker.vineyard_root_files import ROOT_FILES
 from vllm.worker.vineyard_store import (
     extend_digests,
     key_id,

@@ -37,10 +37,12 @@ import numpy as np
 
 if __package__:
     from vllm.worker import vineyard_root as root_format
+    from vllm.worker import vineyard_root_files as root_files
     from vllm.worker import vineyard_store as store
     from vllm.worker import vineyard_sweeper as sweeper
 else:  # run as a script by path: the siblings, not vLLM
     import vineyard_root as root_format  # type: ignore[no-redef]
+    import vineyard_root_files as root_files  # type: ignore[no-redef]
     import vineyard_store as store  # type: ignore[no-redef]
     import vineyard_sweeper as sweeper  # type: ignore[no-redef]
 
@@ -681,16 +683,16 @@ def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
 # --------------------------------------------------------------------------
 
 
-def _root_settings(root: str) -> tuple[root_format.RootSettings | None, str | None]:
+def _root_settings(root: str) -> tuple[root_files.RootSettings | None, str | None]:
     """The root's recorded settings and, where they cannot be read, why."""
     try:
-        return root_format.read_root_settings(root), None
+        return root_files.read_root_settings(root), None
     except (OSError, ValueError) as e:
         return None, str(e)
 
 
 def _settings_doc(
-    settings: root_format.RootSettings | None, error: str | None
+    settings: root_files.RootSettings | None, error: str | None
 ) -> dict[str, Any]:
     return {
         "recorded": settings is not None,
@@ -700,7 +702,7 @@ def _settings_doc(
     }
 
 
-def _settings_text(settings: root_format.RootSettings | None, error: str | None) -> str:
+def _settings_text(settings: root_files.RootSettings | None, error: str | None) -> str:
     if error is not None:
         return f"unreadable ({error}); each process sweeps with its own"
     if settings is None:
@@ -714,15 +716,15 @@ def cmd_settings(args: argparse.Namespace, out: TextIO) -> int:
     changed = args.disk_limit is not None or args.ttl_s is not None
     if changed:
         # Unset parts: as recorded, else the instances' defaults.
-        base = settings or root_format.RootSettings(DEFAULT_DISK_LIMIT, 0.0)
+        base = settings or root_files.RootSettings(DEFAULT_DISK_LIMIT, 0.0)
         try:
-            new = root_format.RootSettings(
+            new = root_files.RootSettings(
                 base.disk_limit_bytes if args.disk_limit is None else args.disk_limit,
                 base.ttl_s if args.ttl_s is None else args.ttl_s,
             )
         except ValueError as e:
             raise UsageError(str(e).replace("disk_limit_bytes", "--disk-limit")) from e
-        settings = root_format.record_root_settings(
+        settings = root_files.record_root_settings(
             root, new, replace=True, group_access=_group_access(root)
         )
         error = None

@@ -25,7 +25,7 @@ alone (logged once, not counted in the cache's size).
 
 Between sweeps the writers hold the disk limit themselves
 (:meth:`RootSweeper.make_room`). They share an estimate of the root's usage
-in its :data:`~vineyard_root.USAGE_LEDGER` (under ``flock``): what the last
+in its :data:`~vineyard_root_files.USAGE_LEDGER` (under ``flock``): what the last
 sweep left, plus what every writer reserved since. A writer reserves the
 chunks it is about to write; when they do not fit under the limit it first
 runs a pass at once that evicts room for them too. So the chunk files of
@@ -40,7 +40,7 @@ advisory: a wrong value costs an extra pass or an overshoot until the next
 sweep, never data.
 
 One pass per root at a time: a pass holds ``flock`` on the root's
-:data:`~vineyard_root.SWEEP_LOCK` (so that N instances of M ranks do not all
+:data:`~vineyard_root_files.SWEEP_LOCK` (so that N instances of M ranks do not all
 walk the root every interval). A periodic sweep that finds it held is
 skipped; a writer that needs room waits for it up to :data:`LOCK_WAIT_S`,
 then runs its pass regardless. Where there is no lock to be had (a file
@@ -48,8 +48,8 @@ planted at its path, a filesystem without locks) passes go unlocked: several
 at once only race to delete the same files (the same LRU order), which is
 harmless. Both files are opened without following links.
 
-The disk limit and TTL are the root's own (:class:`~vineyard_root.RootSettings`
-in :data:`~vineyard_root.ROOT_SETTINGS`): the first process that sweeps a
+The disk limit and TTL are the root's own (:class:`~vineyard_root_files.RootSettings`
+in :data:`~vineyard_root_files.ROOT_SETTINGS`): the first process that sweeps a
 root records its own settings there, and every pass of every process reads
 them, so one instance with a small limit or TTL cannot shrink everyone's
 cache (a process whose own settings differ says so once). Where they cannot
@@ -78,8 +78,10 @@ from collections.abc import Callable, Iterator
 
 if __package__:
     from vllm.worker import vineyard_root as root_format
+    from vllm.worker import vineyard_root_files as root_files
 else:  # run in the backend's script: the siblings, not vLLM
     import vineyard_root as root_format  # type: ignore[no-redef]
+    import vineyard_root_files as root_files  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +162,12 @@ class RootSweeper:
         self.root = root
         # This process's own settings; the root's recorded ones govern (see
         # the module docstring), read at every pass.
-        self.own_settings = root_format.RootSettings(limit_bytes, ttl_s)
+        self.own_settings = root_files.RootSettings(limit_bytes, ttl_s)
         self.limit_bytes = limit_bytes
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.group_access = group_access
-        self._settings_noted: root_format.RootSettings | str | None = None
+        self._settings_noted: root_files.RootSettings | str | None = None
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("evicted_chunks", "expired_chunks", "orphans_removed"), 0
@@ -184,7 +186,7 @@ class RootSweeper:
         self._ledger_lock = threading.Lock()
         self._ledger_retry_at = 0.0
         self._ledger_warned = False
-        self._usage_here = root_format.Usage()
+        self._usage_here = root_files.Usage()
         self._reservation = (-1, 0)  # epoch, bytes: make_room's last
         self.passes = 0
         self.skipped_sweeps = 0  # another process held the root's lock
@@ -332,7 +334,7 @@ class RootSweeper:
             return True
 
     @contextlib.contextmanager
-    def _usage(self) -> Iterator[root_format.Usage]:
+    def _usage(self) -> Iterator[root_files.Usage]:
         """The root's usage, to read and update: the ledger's, under its
         lock; where it cannot be had, this process's own."""
         with self._ledger_lock:
@@ -341,11 +343,11 @@ class RootSweeper:
                 yield self._usage_here
                 return
             try:
-                usage = root_format.read_ledger(fd) or root_format.Usage()
+                usage = root_files.read_ledger(fd) or root_files.Usage()
                 yield usage
                 self._usage_here = dataclasses.replace(usage)
                 try:
-                    root_format.write_ledger(fd, usage)
+                    root_files.write_ledger(fd, usage)
                 except OSError as e:
                     self._warn_ledger(f"cannot write it ({e})")
             finally:
@@ -359,8 +361,8 @@ class RootSweeper:
         if time.monotonic() < self._ledger_retry_at:
             return None
         try:
-            fd = root_format.open_root_file(
-                self.root, root_format.USAGE_LEDGER, writable=True
+            fd = root_files.open_root_file(
+                self.root, root_files.USAGE_LEDGER, writable=True
             )
         except OSError as e:
             self._warn_ledger(f"cannot open it ({e})")
@@ -391,7 +393,7 @@ class RootSweeper:
                 "may then take the root past its limit by what they write "
                 "between this one's sweeps); logged once",
                 self.root,
-                root_format.USAGE_LEDGER,
+                root_files.USAGE_LEDGER,
                 why,
             )
 
@@ -416,7 +418,7 @@ class RootSweeper:
         its pass. Where no lock can be had, ``(None, True)``: the pass goes
         unlocked (see the module docstring)."""
         try:
-            fd = root_format.open_root_file(self.root, root_format.SWEEP_LOCK)
+            fd = root_files.open_root_file(self.root, root_files.SWEEP_LOCK)
         except OSError as e:
             self._warn_unlocked(f"cannot open it ({e})")
             return None, True
@@ -445,7 +447,7 @@ class RootSweeper:
                 "(processes may then sweep the root at once: harmless, only "
                 "more work); logged once",
                 self.root,
-                root_format.SWEEP_LOCK,
+                root_files.SWEEP_LOCK,
                 why,
             )
 
@@ -501,9 +503,9 @@ class RootSweeper:
         own where the root has none yet."""
         own = self.own_settings
         try:
-            settings = root_format.read_root_settings(self.root)
+            settings = root_files.read_root_settings(self.root)
             if settings is None:
-                settings = root_format.record_root_settings(
+                settings = root_files.record_root_settings(
                     self.root, own, group_access=self.group_access
                 )
         except (OSError, ValueError) as e:
