@@ -123,6 +123,20 @@ def distrust_future(chunks: list[root_format.ChunkFile], now: float) -> None:
             chunk.mtime = 0.0
 
 
+def _flock(fd: int, wait_s: float, poll_s: float) -> bool:
+    """Take ``flock`` on ``fd``, waiting up to ``wait_s``; whether it is
+    held. Raises ``OSError`` on a filesystem without locks."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
 def evict_lru(
     chunks: list[root_format.ChunkFile],
     total: int,
@@ -213,9 +227,11 @@ class RootSweeper:
                 continue
             delay = self.interval_s
             try:
-                # Also for the writer's reservations between passes.
-                self._follow_root_settings()
-                if not self._swept_elsewhere():
+                if self._swept_elsewhere():
+                    # No pass here (a pass reads them): the root's settings
+                    # still for the writer's reservations.
+                    self._follow_root_settings()
+                else:
                     self.sweep()
             except Exception:  # noqa: BLE001 - upkeep must never kill serving
                 logger.exception("vineyard cache sweep failed")
@@ -367,21 +383,15 @@ class RootSweeper:
         except OSError as e:
             self._warn_ledger(f"cannot open it ({e})")
             return None
-        deadline = time.monotonic() + LEDGER_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            if _flock(fd, LEDGER_WAIT_S, _LOCK_POLL_S / 10):
                 return fd
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    self._warn_ledger(f"held by another for over {LEDGER_WAIT_S} s")
-                    return None
-                time.sleep(_LOCK_POLL_S / 10)
-            except OSError as e:  # a filesystem without locks
-                os.close(fd)
-                self._warn_ledger(f"cannot lock it ({e})")
-                return None
+            why = f"held by another for over {LEDGER_WAIT_S} s"
+        except OSError as e:  # a filesystem without locks
+            why = f"cannot lock it ({e})"
+        os.close(fd)
+        self._warn_ledger(why)
+        return None
 
     def _warn_ledger(self, why: str) -> None:
         self._ledger_retry_at = time.monotonic() + LEDGER_RETRY_S
@@ -422,22 +432,17 @@ class RootSweeper:
         except OSError as e:
             self._warn_unlocked(f"cannot open it ({e})")
             return None, True
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            if _flock(fd, wait_s, _LOCK_POLL_S):
                 return fd, True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    if wait_s > 0:
-                        self._warn_unlocked(f"held by another for over {wait_s} s")
-                    return None, wait_s > 0
-                time.sleep(_LOCK_POLL_S)
-            except OSError as e:  # a filesystem without locks
-                os.close(fd)
-                self._warn_unlocked(f"cannot lock it ({e})")
-                return None, True
+        except OSError as e:  # a filesystem without locks
+            os.close(fd)
+            self._warn_unlocked(f"cannot lock it ({e})")
+            return None, True
+        os.close(fd)
+        if wait_s > 0:
+            self._warn_unlocked(f"held by another for over {wait_s} s")
+        return None, wait_s > 0
 
     def _warn_unlocked(self, why: str) -> None:
         if not self._lock_warned:
