@@ -59,7 +59,7 @@ VINEYARD_MODULES = (
     "vineyard.llm",
     "vllm.worker.vineyard_connector",
     "vllm.worker.vineyard_llm_cache",
-    "vllm.worker.vineyard_backend",
+    "vllm.worker.vineyard_backend_process",
 )
 _BACKEND_SCRIPT = "vineyard_backend.py"
 _FLUSH_PROMPT = [7]  # shorter than a block: nothing to look up or save

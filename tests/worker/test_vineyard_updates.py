@@ -31,7 +31,7 @@ from vineyard_cache_testing import (
 )
 from vineyard_testing import wait_until
 
-from vllm.worker.vineyard_backend import BackendError, BackendProcess
+from vllm.worker.vineyard_backend_process import BackendError, BackendProcess
 from vllm.worker.vineyard_llm_cache import SaveRequest
 from vllm.worker.vineyard_lookup import VineyardCacheLookup
 from vllm.worker.vineyard_store import extend_digests

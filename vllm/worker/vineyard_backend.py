@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The vineyard backend process and the engine-side handle that drives it.
+"""The vineyard backend process (its engine-side handle is
+:mod:`vineyard_backend_process`).
 
 vineyard-llm holds the GIL for the whole of every call, so calling it from a
 thread of vLLM's process would stall the forward pass for the full write.
@@ -21,7 +22,6 @@ a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import importlib.util
 import json
@@ -29,58 +29,24 @@ import logging
 import mmap
 import os
 import signal
-import socket
 import stat
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 if __package__:
     from vllm.worker import vineyard_store as store
     from vllm.worker import vineyard_sweeper as sweeper
+    from vllm.worker.vineyard_backend_process import BackendSpec
 else:  # run as the backend's script: import the siblings, not vLLM
     import vineyard_store as store  # type: ignore[no-redef]
     import vineyard_sweeper as sweeper  # type: ignore[no-redef]
+    from vineyard_backend_process import BackendSpec  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
 
 YEAR_S = 365 * 24 * 3600
-
-
-class BackendError(RuntimeError):
-    """The backend process failed, timed out, died or is disabled."""
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """Everything a backend needs to open its namespace and map the buffers.
-
-    A buffer holds ``max_blocks`` entries of ``entry_bytes`` (one KV block of
-    every layer, then its trailer). The writer (``sweep=True``) also keeps
-    the whole cache root (``cache_root``) within its budget.
-    """
-
-    root: str  # the namespace directory
-    blocks_per_chunk: int
-    entry_bytes: int
-    max_blocks: int
-    num_buffers: int
-    auth_key_file: str = ""
-    group_access: bool = False
-    sweep: bool = False
-    cache_root: str = ""
-    disk_limit_bytes: int = 0
-    ttl_s: float = 0.0
-    sweep_interval_s: float = 30.0
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.max_blocks * self.entry_bytes
 
 
 # --------------------------------------------------------------------------
@@ -513,335 +479,6 @@ def _serve(argv: list[str]) -> int:
             conn.send(reply)
         except (EOFError, OSError):
             return 0
-
-
-# --------------------------------------------------------------------------
-# Engine side.
-# --------------------------------------------------------------------------
-
-
-class BackendProcess:
-    """Engine-side handle of one backend process.
-
-    :meth:`call` is thread-safe and never waits longer than ``timeout_s``;
-    :meth:`send` and :meth:`receive` split it, so the caller can work while
-    the backend does (one request in flight at a time). When the process
-    dies, answers garbage or stalls, it is killed and restarted on the next
-    call. After ``max_restarts`` restarts within ``restart_window_s`` it is
-    disabled for that long: every call fails at once with
-    :class:`BackendError` and the cache degrades to recompute; then it is
-    tried again (a filesystem that recovers gets its cache back).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        spec: BackendSpec,
-        shm_fd: int,
-        timeout_s: float,
-        max_restarts: int = 3,
-        startup_timeout_s: float = 60.0,
-        nice: int = 0,
-        wait: bool = True,
-        restart_in_background: bool = False,
-        restart_window_s: float = 600.0,
-    ):
-        """Starts the process; with ``wait=False`` returns at once and
-        :meth:`wait_ready` waits (so several backends start in parallel)."""
-        self.name = name
-        self._spec = spec
-        self._shm_fd = shm_fd
-        self._timeout_s = timeout_s
-        self._startup_timeout_s = startup_timeout_s
-        self._max_restarts = max_restarts
-        self._nice = nice
-        # Callers that must never wait (the forward thread) get an error at
-        # once while the process is restarted on a thread of its own.
-        self._restart_in_background = restart_in_background
-        self._restarter: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._in_flight: str | None = None  # the op sent and not yet received
-        # Spawned, not yet ready (see ``wait``).
-        self._starting: tuple[subprocess.Popen[bytes], Connection] | None = None
-        self._restart_window_s = restart_window_s
-        self._recent_restarts: collections.deque[float] = collections.deque()
-        self.restarts = 0  # in the process's lifetime (for the metrics)
-        self._disabled: tuple[str, float] | None = None  # why, since when
-        self._closed = False
-        with self._lock:
-            self._spawn_locked()
-            if wait:
-                self._await_ready_locked()
-
-    @property
-    def disabled_reason(self) -> str | None:
-        """Why calls fail at once now, or ``None``; a backend disabled for
-        the restart window is enabled again."""
-        disabled = self._disabled
-        if disabled is None:
-            return None
-        reason, since = disabled
-        if time.monotonic() - since < self._restart_window_s:
-            return reason
-        logger.info("Enabling the %s vineyard backend again", self.name)
-        self._disabled = None
-        return None
-
-    @property
-    def available(self) -> bool:
-        """Whether a call would be served now: not closed, not disabled and
-        not restarting (read without the lock: a hint, not a promise)."""
-        restarter = self._restarter
-        return (
-            not self._closed
-            and self.disabled_reason is None
-            and (restarter is None or not restarter.is_alive())
-            and self._starting is None
-        )
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def _start_locked(self) -> None:
-        self._spawn_locked()
-        self._await_ready_locked()
-
-    def wait_ready(self) -> None:
-        """Wait for a backend started with ``wait=False`` to be ready;
-        raises :class:`BackendError` if it cannot start."""
-        with self._lock:
-            if self._starting is not None:
-                self._await_ready_locked()
-
-    def _spawn_locked(self) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        parent_cpus = ""
-        if hasattr(os, "sched_getaffinity"):
-            parent_cpus = ",".join(str(c) for c in os.sched_getaffinity(0))
-        env = dict(os.environ)
-        # vineyard names its temp files by PID; PIDs repeat across
-        # containers sharing a root, so give every backend a unique name.
-        env.setdefault("POD_NAME", f"{socket.gethostname()}-{os.getpid()}-{id(self):x}")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--conn-fd",
-            str(child_sock.fileno()),
-            "--shm-fd",
-            str(self._shm_fd),
-            "--spec",
-            json.dumps(asdict(self._spec)),
-            "--parent-cpus",
-            parent_cpus,
-            "--nice",
-            str(self._nice),
-        ]
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                pass_fds=(child_sock.fileno(), self._shm_fd),
-                stdin=subprocess.DEVNULL,
-                env=env,
-                # Own process group: a terminal's Ctrl-C goes to vLLM, which
-                # then shuts us down in order. Not a session of its own:
-                # Linux schedules each session as one group (autogroup), and
-                # a fresh group on a loaded core was seen to wait 20 s and
-                # more before its first run there.
-                process_group=0,
-            )
-        finally:
-            child_sock.close()
-        self._starting = (proc, Connection(parent_sock.detach()))
-
-    def _await_ready_locked(self) -> None:
-        assert self._starting is not None
-        proc, conn = self._starting
-        self._starting = None
-        try:
-            if not conn.poll(self._startup_timeout_s):
-                raise BackendError(
-                    f"{self.name} backend did not start within "
-                    f"{self._startup_timeout_s:.0f} s"
-                )
-            status, payload = conn.recv()
-            if status != "ready":
-                raise BackendError(f"{self.name} backend failed to start: {payload}")
-        except (EOFError, OSError) as e:
-            conn.close()
-            self._reap(proc)
-            raise BackendError(
-                f"{self.name} backend exited during startup "
-                f"(exit code {proc.returncode}): {e}"
-            ) from e
-        except BackendError:
-            conn.close()
-            self._reap(proc)
-            raise
-        self._proc, self._conn = proc, conn
-
-    @staticmethod
-    def _reap(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("vineyard backend pid %d did not exit", proc.pid)
-
-    def _stop_locked(self) -> None:
-        self._in_flight = None
-        if self._starting is not None:
-            proc, conn = self._starting
-            self._starting = None
-            conn.close()
-            self._reap(proc)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            self._reap(self._proc)
-            self._proc = None
-
-    def _ensure_running_locked(self) -> Connection:
-        if self._closed:
-            raise BackendError(f"{self.name} backend is closed")
-        if self.disabled_reason is not None:
-            raise BackendError(self.disabled_reason)
-        if self._running_locked():
-            assert self._conn is not None
-            return self._conn
-        self._stop_locked()
-        now = time.monotonic()
-        recent = self._recent_restarts
-        while recent and now - recent[0] >= self._restart_window_s:
-            recent.popleft()  # forgiven after a period of success
-        if len(recent) >= self._max_restarts:
-            reason = (
-                f"{self.name} backend disabled for "
-                f"{self._restart_window_s:.0f} s after {len(recent)} restarts; "
-                "the cache recomputes instead meanwhile"
-            )
-            self._disabled = (reason, now)
-            recent.clear()
-            logger.warning("%s", reason)
-            raise BackendError(reason)
-        recent.append(now)
-        self.restarts += 1
-        logger.warning(
-            "Restarting the %s vineyard backend (restart %d of %d allowed "
-            "within %.0f s)",
-            self.name,
-            len(recent),
-            self._max_restarts,
-            self._restart_window_s,
-        )
-        self._start_locked()
-        assert self._conn is not None
-        return self._conn
-
-    def _fail_locked(self, error: Exception) -> BackendError:
-        code = self._proc.poll() if self._proc else None
-        self._stop_locked()
-        return BackendError(f"{self.name} backend died (exit code {code}): {error}")
-
-    def send(self, *request: Any) -> None:
-        """Send a request; :meth:`receive` gets its answer. With
-        ``restart_in_background`` a dead process is restarted on another
-        thread, and calls fail at once until it is up."""
-        if self._restart_in_background:
-            if not self._lock.acquire(blocking=False):
-                raise BackendError(f"{self.name} backend is restarting")
-        else:
-            self._lock.acquire()
-        try:
-            assert self._in_flight is None, "one request at a time"
-            if self._restart_in_background and not self._running_locked():
-                self._restart_later_locked()
-            conn = self._ensure_running_locked()
-            try:
-                conn.send(request)
-            except (EOFError, OSError) as e:
-                raise self._fail_locked(e) from e
-            self._in_flight = request[0]
-        finally:
-            self._lock.release()
-
-    def _running_locked(self) -> bool:
-        return (
-            self._conn is not None
-            and self._proc is not None
-            and self._proc.poll() is None
-        )
-
-    def _restart_later_locked(self) -> None:
-        """Start the restart on a thread of its own and fail this call."""
-        if self._closed or self.disabled_reason is not None:
-            return  # _ensure_running_locked says why
-        if self._restarter is None or not self._restarter.is_alive():
-
-            def restart() -> None:
-                with self._lock, contextlib.suppress(BackendError):
-                    self._ensure_running_locked()
-
-            self._restarter = threading.Thread(
-                target=restart, name=f"vineyard-{self.name}-restart", daemon=True
-            )
-            self._restarter.start()
-        raise BackendError(f"{self.name} backend is restarting")
-
-    def ready(self) -> bool:
-        """Whether :meth:`receive` would return (or fail) without waiting:
-        the answer to the request sent last has arrived, or there is none
-        to wait for."""
-        with self._lock:
-            conn = self._conn
-            if self._in_flight is None or conn is None:
-                return True
-            try:
-                return conn.poll(0)
-            except (EOFError, OSError):
-                return True  # receive() reports it
-
-    def receive(self, timeout_s: float | None = None) -> Any:
-        """The answer to the request sent last."""
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            op, conn = self._in_flight, self._conn
-            if op is None or conn is None:
-                raise BackendError(f"{self.name} backend lost the request")
-            try:
-                if not conn.poll(timeout):
-                    # A late answer would be read as the next request's.
-                    self._stop_locked()
-                    raise BackendError(
-                        f"{self.name} backend did not answer {op!r} within {timeout} s"
-                    )
-                status, payload = conn.recv()
-            except (EOFError, OSError) as e:
-                raise self._fail_locked(e) from e
-            self._in_flight = None
-        if status != "ok":
-            raise BackendError(f"{self.name} backend error: {payload}")
-        return payload
-
-    def call(self, *request: Any, timeout_s: float | None = None) -> Any:
-        """Send one request and wait for its answer."""
-        self.send(*request)
-        return self.receive(timeout_s)
-
-    def close(self) -> None:
-        self._closed = True
-        # Kill first, without the lock: a call in flight then fails at once
-        # instead of holding the lock until its timeout.
-        starting = self._starting
-        for proc in (self._proc, starting[0] if starting else None):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        with self._lock:
-            self._stop_locked()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard_backend import BackendError
+from vllm.worker.vineyard_backend_process import BackendError
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_connector_metadata import (
     VineyardConnectorMetadata,

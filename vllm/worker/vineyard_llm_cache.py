@@ -10,9 +10,10 @@ every buffer is in flight the update is skipped (and counted), never waited
 for. A later request that starts with a cached prefix loads that KV
 (:meth:`VineyardLLMCache.load`) instead of recomputing it.
 
-The vineyard calls run in backend processes (:mod:`vineyard_backend`): one
-writer, one reader, so the GIL that vineyard holds never stalls the engine,
-and a read never waits behind a write. Buffers are shared memory; only block
+The vineyard calls run in backend processes (:mod:`vineyard_backend`, driven
+through :mod:`vineyard_backend_process`): one writer, one reader, so the GIL
+that vineyard holds never stalls the engine, and a read never waits behind a
+write. Buffers are shared memory; only block
 ids cross the process boundary.
 """
 
@@ -33,7 +34,11 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard_backend import BackendError, BackendProcess, BackendSpec
+from vllm.worker.vineyard_backend_process import (
+    BackendError,
+    BackendProcess,
+    BackendSpec,
+)
 from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
 from vllm.worker.vineyard_kv_copy import KVBlockCopier
 from vllm.worker.vineyard_lookup import KVCacheLayout
