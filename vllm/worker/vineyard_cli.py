@@ -69,24 +69,20 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * 1024 ** _UNITS[m[2].lower()])
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+def _number(zero_allowed: bool) -> Callable[[str], float]:
+    """An argparse type: a number > 0 (or >= 0 with ``zero_allowed``)."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 if zero_allowed else value > 0):
+            what = "a number >= 0" if zero_allowed else "a positive number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
+    return parse
 
 
 def human(n: float) -> str:
@@ -790,7 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remove", action="store_true", help="delete bad chunks")
     p.add_argument(
         "--rate-mb-s",
-        type=_positive,
+        type=_number(zero_allowed=False),
         metavar="R",
         help="read at most R MiB/s (to run beside live instances)",
     )
@@ -826,7 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ttl-s",
-        type=_non_negative,
+        type=_number(zero_allowed=True),
         metavar="S",
         help="seconds after its last use when a chunk expires (0: never)",
     )
