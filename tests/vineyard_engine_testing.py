@@ -13,7 +13,10 @@ and reads back a JSON result; the engine's log stays beside it.
 A spec is ``{"llm_kwargs": {...}, "rounds": [ROUND, ...], "settle_s": S}``.
 In each ``ROUND`` the ``prompts`` (token id lists) are generated greedily
 (``temperature=0, ignore_eos``, ``max_tokens``) in one ``LLM.generate`` call,
-or one call per prompt (``one_by_one``), or step by step with the cache's
+or one call per prompt (``one_by_one``), with a LoRA adapter
+(``lora``: ``[name, id, path]``), as seeded random prompt embeddings instead
+of the prompts (``prompt_embeds``: ``[[seed, tokens, hidden size], ...]``),
+or step by step with the cache's
 writer backends stopped until every request has its first token
 (``stop_writer_during_prefill``), all with one ``cache_salt`` if a round
 gives one; ``freeze_file`` is created for the round's generation and removed
@@ -370,6 +373,8 @@ def run_engine(
                 "break_path": None,
                 "pause_s": 0.0,
                 "cache_salt": None,
+                "lora": None,
+                "prompt_embeds": None,
                 "freeze_file": None,
                 **r,
             }
@@ -512,6 +517,16 @@ def _generate_with_stopped_writer(
     return [finished[req_id] for req_id in ids], stopped_s
 
 
+def _embeds_prompt(seed: int, num_tokens: int, hidden_size: int) -> Any:
+    import torch
+    from vllm.inputs import EmbedsPrompt
+
+    gen = torch.Generator().manual_seed(seed)
+    return EmbedsPrompt(
+        prompt_embeds=torch.randn(num_tokens, hidden_size, generator=gen)
+    )
+
+
 def _note(what: str) -> None:
     print(f"[engine-test {time.strftime('%H:%M:%S')}] {what}", flush=True)
 
@@ -543,6 +558,8 @@ def _main(spec_path: str) -> None:
                 temperature=0, max_tokens=r["max_tokens"], ignore_eos=True
             )
             prompts = [TokensPrompt(prompt_token_ids=p) for p in r["prompts"]]
+            if r["prompt_embeds"]:
+                prompts = [_embeds_prompt(*e) for e in r["prompt_embeds"]]
             if r["cache_salt"] is not None:
                 for prompt in prompts:
                     prompt["cache_salt"] = r["cache_salt"]
@@ -558,7 +575,10 @@ def _main(spec_path: str) -> None:
             elif r["one_by_one"]:
                 outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
             else:
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(*r["lora"]) if r["lora"] else None
+                outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
             wall_s = time.perf_counter() - start
             if r["freeze_file"]:
                 Path(r["freeze_file"]).unlink()

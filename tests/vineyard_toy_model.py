@@ -25,6 +25,10 @@ class ToyLlamaConfig:
     max_position_embeddings: int = 8192
     dtype: str = "float32"
     seed: int = 0
+    #: Tokens every layer attends back to (a Mistral-7B-v0.1 style model:
+    #: vLLM frees a request's blocks once they leave the window); None: a
+    #: Llama with full attention.
+    sliding_window: int | None = None
 
 
 def make_toy_llama(path: str, config: ToyLlamaConfig | None = None) -> str:
@@ -43,6 +47,15 @@ def make_toy_llama(path: str, config: ToyLlamaConfig | None = None) -> str:
     hf_config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
+        **(
+            {
+                "architectures": ["MistralForCausalLM"],
+                "model_type": "mistral",
+                "sliding_window": c.sliding_window,
+            }
+            if c.sliding_window
+            else {}
+        ),
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_layers,
@@ -91,4 +104,44 @@ def make_toy_llama(path: str, config: ToyLlamaConfig | None = None) -> str:
     save_file(weights, os.path.join(path, "model.safetensors"))
     with open(stamp, "w") as f:
         json.dump(asdict(config), f)
+    return path
+
+
+def make_toy_lora(
+    path: str, config: ToyLlamaConfig | None = None, seed: int = 1, rank: int = 8
+) -> str:
+    """A LoRA adapter of the toy Llama in PEFT's layout (every attention
+    projection, seeded random A and B: it changes the KV), written to
+    ``path`` (replacing what is there: an adapter retrained in place)."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = config or ToyLlamaConfig()
+    os.makedirs(path, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "base_model_name_or_path": "toy-llama",
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, c.dtype)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size)}
+    shapes |= {"v_proj": (kv, c.hidden_size), "o_proj": (c.hidden_size, q)}
+    weights = {}
+    for i in range(c.num_layers):
+        for name, (out, inp) in shapes.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}."
+            a = torch.randn(rank, inp, generator=gen) * inp**-0.5
+            b = torch.randn(out, rank, generator=gen) * rank**-0.5
+            weights[p + "lora_A.weight"] = a.to(dtype)
+            weights[p + "lora_B.weight"] = b.to(dtype)
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
     return path

@@ -21,6 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_connector_metadata import VineyardConnectorMetadata
@@ -43,13 +49,32 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
 CONNECTOR_NAME = "VineyardConnector"
+#: The KV caches whose blocks the cache can move whole: full attention, and
+#: sliding windows (vLLM frees a request's blocks once they leave the
+#: window; the scheduler tells the workers, see ``RequestDelta.held_from``).
+#: Exact types: subclasses such as R-SWA free blocks in the middle, sinks
+#: and Mamba state are not plain token-aligned blocks.
+SUPPORTED_KV_CACHE_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+
+
+def unsupported_kv_cache(kv_cache_config: KVCacheConfig) -> str | None:
+    """Why the cache cannot serve a model with this KV cache, or None."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return f"{len(groups)} KV cache groups (supported: one)"
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in SUPPORTED_KV_CACHE_SPECS:
+        return (
+            f"{type(spec).__name__} layers (supported: full or "
+            "sliding-window attention)"
+        )
+    return None
 
 
 class VineyardConnector(KVConnectorBase_V1):
@@ -71,15 +96,22 @@ class VineyardConnector(KVConnectorBase_V1):
                 self.config.auth_key_file, self.config.setting("auth_key_file")
             )
         )
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(
-                f"{CONNECTOR_NAME} supports models with one KV cache group "
-                f"(full attention); this model has "
-                f"{len(kv_cache_config.kv_cache_groups)}"
+        # A model whose KV cache the cache cannot serve runs with it off.
+        self._cache_off = unsupported_kv_cache(kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._group = groups[0] if groups else None
+        spec = self._group.kv_cache_spec if self._group else None
+        self.block_size = spec.block_size if spec else 0
+        self.chunk_size = (
+            0 if self._cache_off else self.config.chunk_tokens(self.block_size)
+        )
+        if self._cache_off and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "vineyard cache off for model %s: its KV cache has %s; it is "
+                "served without the cache",
+                vllm_config.model_config.model,
+                self._cache_off,
             )
-        self._group = kv_cache_config.kv_cache_groups[0]
-        self.block_size = self._group.kv_cache_spec.block_size
-        self.chunk_size = self.config.chunk_tokens(self.block_size)
         self._scheduler: VineyardConnectorScheduler | None = None
         self._worker: VineyardConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -100,6 +132,8 @@ class VineyardConnector(KVConnectorBase_V1):
                 self.chunk_size,
                 vllm_config.parallel_config.tensor_parallel_size,
                 publish_events=bool(events and events.enable_kv_cache_events),
+                windowed=isinstance(spec, SlidingWindowSpec),
+                cache_off=self._cache_off,
             )
         else:
             self._worker = VineyardConnectorWorker(
@@ -116,6 +150,7 @@ class VineyardConnector(KVConnectorBase_V1):
     def _layout(
         self, dtype: torch.dtype, kv_layout: str, tp_size: int, tp_rank: int
     ) -> KVCacheLayout:
+        assert self._group is not None
         model_config = self._vllm_config.model_config
         model = model_config.model
         if model_config.revision:
@@ -151,6 +186,8 @@ class VineyardConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        if self._cache_off or self._group is None:
+            return  # no cache: nothing is loaded or saved
         self._worker.register_kv_caches(
             [kv_caches[name] for name in self._group.layer_names]
         )

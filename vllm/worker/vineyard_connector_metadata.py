@@ -33,6 +33,9 @@ class RequestDelta:
     # saved again on every rank); skipped and failed saves a rank re-issues
     # itself, from its own progress.
     save_from: int
+    # Blocks before it vLLM has freed (a sliding window moved past them):
+    # never read from or written to, whatever the worker's table says.
+    held_from: int = 0
     load: tuple[int, int] | None = None  # load tokens [start, end) first
 
 

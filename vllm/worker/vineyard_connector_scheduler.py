@@ -8,8 +8,10 @@ filesystem) and tells the workers, per step, which cached blocks to load
 into which blocks and which blocks each running request has now. Loads are
 asynchronous: a request with a hit waits in ``WAITING_FOR_REMOTE_KVS``
 while others run, until its workers report the load finished. Blocks are
-named by chained digests of their token ids (and ``cache_salt``), computed
-here once and sent to the workers as deltas.
+named by chained digests of their token ids and whatever else determines
+their KV (``cache_salt``, a LoRA adapter, multimodal items, prompt
+embeddings: :mod:`vineyard_request_keys`), computed here once and sent to
+the workers as deltas.
 
 The scheduler owns every decision: what each request loads, where its saves
 start (moved back for every rank when a load came up short), and whether
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,7 @@ from vllm.worker.vineyard_connector_metadata import (
 from vllm.worker.vineyard_events import StorageEvents
 from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard_request_keys import RequestKeys, request_keys
 from vllm.worker.vineyard_root import remove_file, scan_root
 from vllm.worker.vineyard_store import extend_digests
 
@@ -54,23 +57,27 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 NEVER = 1 << 62  # save_from of requests that must not be cached
+#: The id of vLLM's null block (``BlockPool.null_block``, the first block):
+#: block tables hold it where a sliding window freed a block.
+NULL_BLOCK_ID = 0
 #: Finished requests kept for the KV events of their last writes, at most.
 MAX_FINISHED_TRACKED = 4096
 
 
-def cacheable(request: Request) -> bool:
-    """Token ids (and the salt, which goes into the digests) must determine
-    the KV: no embeddings, images or LoRA adapters."""
-    return (
-        request.prompt_embeds is None
-        and not request.mm_features
-        and request.lora_request is None
-    )
+def leading_freed_blocks(block_ids: Sequence[int], known: int = 0) -> int:
+    """How many blocks at the front of a block table are vLLM's null block
+    (freed out of a sliding window, or never allocated); they are always a
+    prefix. ``known``: a count already known (the table only grows)."""
+    n = min(known, len(block_ids))
+    while n < len(block_ids) and block_ids[n] == NULL_BLOCK_ID:
+        n += 1
+    return n
 
 
 @dataclass
 class _RequestState:
     request: Request
+    keys: RequestKeys  # what besides token ids names its blocks
     digests: list[bytes] = field(default_factory=list)
     digests_sent: int = 0
     save_from: int = 0
@@ -86,6 +93,7 @@ class _RequestState:
     rank_saved: dict[int, int] = field(default_factory=dict)  # from reports
     saved: int = 0  # tokens from 0 in vineyard on every rank
     announced: int = 0  # blocks announced by a KV event
+    held_from: int = 0  # blocks before it vLLM has freed (sliding window)
 
     def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
         """A rank's write stored tokens ``[begin, end)`` (writes finish in
@@ -120,7 +128,8 @@ class _RequestState:
                 self.digests,
                 self.request.all_token_ids[:num_tokens],
                 block_size,
-                self.request.cache_salt,
+                self.keys.seed,
+                self.keys.block_extra,
             )
         return self.digests
 
@@ -133,6 +142,8 @@ class VineyardConnectorScheduler:
         chunk_size: int,
         tp_size: int,
         publish_events: bool = False,
+        windowed: bool = False,
+        cache_off: str | None = None,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -149,6 +160,12 @@ class VineyardConnectorScheduler:
         )
         self._ranks_that_cannot_load: set[int] = set()
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
+        # Sliding-window attention: vLLM frees a running request's blocks
+        # once they leave the window (and hands them to other requests).
+        self._windowed = windowed
+        self._cache_off = cache_off
+        if cache_off:
+            self._idle_metrics.add("unsupported_models")
 
     @property
     def metrics(self) -> VineyardCacheMetrics:
@@ -158,6 +175,8 @@ class VineyardConnectorScheduler:
         self, metadata: Mapping[int, KVConnectorHandshakeMetadata]
     ) -> None:
         """Open each TP rank's namespace for lookups (rank order)."""
+        if self._cache_off:
+            return  # said at startup
         if len(metadata) < self._tp_size:
             logger.error(
                 "vineyard cache open on %d of %d workers: cache off",
@@ -190,10 +209,12 @@ class VineyardConnectorScheduler:
         False)`` while the lookup is pending."""
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            keys = request_keys(request, self.block_size)
+            state = _RequestState(request, keys)
+            self._requests[request.request_id] = state
         state.load = None
         state.num_local_tokens = num_computed_tokens
-        if self._lookup is None or not cacheable(request):
+        if self._lookup is None:
             state.save_from = NEVER
             return 0, False
         digests = state.digests_up_to(request.num_tokens, self.block_size)
@@ -217,9 +238,12 @@ class VineyardConnectorScheduler:
         state = self._requests.get(request.request_id)
         if state is None or num_external == 0:
             return
-        start = state.num_local_tokens
-        state.load = (start, start + num_external)
+        start, end = state.num_local_tokens, state.num_local_tokens + num_external
         state.load_blocks = list(blocks.get_block_ids()[0])
+        if self._windowed:
+            # Blocks out of the window are vLLM's null block: not loaded.
+            state.held_from = leading_freed_blocks(state.load_blocks)
+        state.load = (min(max(start, state.held_from * self.block_size), end), end)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Learn from the workers: which loads finished and which came up
@@ -302,6 +326,11 @@ class VineyardConnectorScheduler:
             request = state.request
             num_computed = request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
+            replace = replace or state.blocks_replaced
+            if self._windowed:
+                state.held_from = self._held_from(
+                    scheduler_output, req_id, 0 if replace else state.held_from
+                )
             # The digests of completed chunks.
             needed = num_computed // chunk * chunk
             meta.requests.append(
@@ -309,9 +338,10 @@ class VineyardConnectorScheduler:
                     req_id=req_id,
                     new_digests=state.take_digests(needed, bs),
                     block_ids=blocks,
-                    replace_blocks=replace or state.blocks_replaced,
+                    replace_blocks=replace,
                     num_computed_tokens=num_computed,
                     save_from=state.save_from,
+                    held_from=state.held_from,
                 )
             )
             state.blocks_replaced = False
@@ -329,11 +359,24 @@ class VineyardConnectorScheduler:
                     replace_blocks=True,
                     num_computed_tokens=start,
                     save_from=state.save_from,
+                    held_from=state.held_from,
                     load=state.load,
                 )
             )
             state.loading, state.load = state.load, None
         return meta
+
+    @staticmethod
+    def _held_from(scheduler_output: SchedulerOutput, req_id: str, known: int) -> int:
+        """How many leading blocks of the request vLLM has freed now (a
+        sliding window moved past them; they may hold another request's KV
+        from this step on): its saves never gather them. Without vLLM's
+        block table, every block counts as freed (nothing is saved)."""
+        state = scheduler_output.kv_connector_block_state
+        table = state.get_block_ids(req_id) if state is not None else None
+        if table is None:
+            return NEVER
+        return leading_freed_blocks(table[0], known)
 
     def reset_cache(self) -> bool:
         """Remove this instance's chunks from the root: those of the

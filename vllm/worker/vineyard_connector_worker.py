@@ -41,6 +41,7 @@ logger = init_logger(__name__)
 class _WorkerRequest:
     digests: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    held_from: int = 0  # blocks before it vLLM has freed (sliding window)
 
 
 def kv_layout_name(kv: torch.Tensor) -> str:
@@ -103,8 +104,10 @@ class VineyardConnectorWorker:
             state.digests.extend(delta.new_digests)
             if delta.replace_blocks:
                 state.block_ids = list(delta.block_ids)
+                state.held_from = delta.held_from
             else:
                 state.block_ids.extend(delta.block_ids)
+                state.held_from = max(state.held_from, delta.held_from)
 
     def start_load_kv(self, meta: VineyardConnectorMetadata) -> None:
         if self.cache is None:  # unavailable: nothing is loaded or saved
@@ -129,6 +132,7 @@ class VineyardConnectorWorker:
                 num_computed_tokens=delta.num_computed_tokens,
                 block_ids=self._requests[delta.req_id].block_ids,
                 save_from=delta.save_from,
+                held_from=self._requests[delta.req_id].held_from,
             )
             for delta in meta.requests
             # A request waiting for its load has nothing new computed.

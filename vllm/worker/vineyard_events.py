@@ -62,6 +62,7 @@ class StorageEvents:
         if end <= first:
             return  # vLLM computes no block hashes (prefix caching off)
         bs = self.block_size
+        lora = request.lora_request
         converted = [maybe_convert_block_hash(h) for h in hashes[first:end]]
         self._events.append(
             BlockStored(
@@ -71,9 +72,9 @@ class StorageEvents:
                 ),
                 token_ids=list(request.all_token_ids[first * bs : end * bs]),
                 block_size=bs,
-                lora_id=None,
+                lora_id=lora.lora_int_id if lora else None,
                 medium=MEDIUM_STORAGE,
-                lora_name=None,
+                lora_name=lora.lora_name if lora else None,
             )
         )
         ids = synthetic_ids(digests[:end])

@@ -360,11 +360,15 @@ class SaveRequest:
     num_computed_tokens: int  # tokens whose KV is in blocks after this step
     block_ids: Sequence[int]  # the request's KV blocks, in order
     save_from: int = 0  # first token not known to be in vineyard
+    held_from: int = 0  # blocks before it vLLM has freed (sliding window)
 
 
 # --------------------------------------------------------------------------
 # The cache.
 # --------------------------------------------------------------------------
+
+#: The resume point of a request whose saves ended (its blocks were freed).
+_SAVES_ENDED = 1 << 62
 
 
 class VineyardLLMCache:
@@ -818,8 +822,18 @@ class VineyardLLMCache:
             self._resume[req.req_id] = (origin, begin)
             computed = min(req.num_computed_tokens, len(req.block_digests) * bs)
             finished = computed // chunk * chunk
-            if finished > begin:
-                pending.append((begin, finished, req))
+            if finished <= begin:
+                continue
+            if begin < req.held_from * bs:
+                # vLLM freed blocks of this chunk (a sliding window moved
+                # past them before a skipped or failed save was retried)
+                # and may have given them to another request: never
+                # gathered. Later chunks would lack their prefix, so the
+                # request saves no more.
+                self._resume[req.req_id] = (origin, _SAVES_ENDED)
+                self.metrics.add("saves_dropped_freed")
+                continue
+            pending.append((begin, finished, req))
         if not pending:
             return False
         buffer_id = self._pool.get() if may_take_buffer else None

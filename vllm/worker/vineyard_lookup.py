@@ -118,11 +118,14 @@ class KVCacheLayout:
 #: Checkpoint files whose identity goes into the namespace.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _FINGERPRINT_READ = 1 << 20  # bytes read from each end of a weight file
+#: Config files hashed whole: a model's, and a LoRA adapter's.
+_CONFIG_FILES = ("config.json", "adapter_config.json")
 
 
 def weights_fingerprint(model: str, revision: str | None) -> str:
-    """What identifies the weights, so that a model updated in place (at
-    the same path or an unpinned hub name) gets a new namespace: for a local
+    """What identifies the weights (of a model or a LoRA adapter), so that
+    weights updated in place (at the same path or an unpinned hub name) get
+    a new namespace or new digests: for a local
     checkpoint, a hash of its config and index files, and of each weight
     file's name, size and first and last MiB; for a hub name, the pinned
     revision, or the commit of the snapshot vLLM downloaded."""
@@ -132,7 +135,7 @@ def weights_fingerprint(model: str, revision: str | None) -> str:
             path = os.path.join(model, name)
             if not os.path.isfile(path):
                 continue
-            if name == "config.json" or name.endswith("index.json"):
+            if name in _CONFIG_FILES or name.endswith("index.json"):
                 with open(path, "rb") as f:
                     h.update(name.encode() + b"\0" + f.read())
             elif name.endswith(_WEIGHT_SUFFIXES):

@@ -39,6 +39,9 @@ COUNTERS: dict[str, str] = {
     "updates_skipped": "Updates skipped because every buffer was in flight.",
     "updates_failed": "Updates with a write error, backend error, timeout or death.",
     "updates_dropped": "Updates dropped at shutdown after the drain timeout.",
+    "saves_dropped_freed": "Retried saves dropped because vLLM had freed the "
+    "request's blocks (a sliding window moved past them); its later chunks are "
+    "not saved.",
     "tokens_written": "Tokens whose KV was written to vineyard.",
     "tokens_rejected": "Tokens vineyard refused because their prefix was not "
     "cached (evicted or skipped).",
@@ -50,6 +53,9 @@ COUNTERS: dict[str, str] = {
     "that died, removed.",
     "backend_restarts": "Restarts of a vineyard backend process.",
     "backend_start_failures": "Caches that could not start (the cache is off).",
+    "unsupported_models": "Engines serving without the cache because their "
+    "model's KV cache is not supported (several KV cache groups, Mamba state, "
+    "attention other than full or sliding window).",
 }
 #: Gauges: the latest sample wins.
 GAUGES: dict[str, str] = {

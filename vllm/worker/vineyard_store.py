@@ -31,7 +31,7 @@ import functools
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mmh3
@@ -65,22 +65,27 @@ def extend_digests(
     token_ids: Sequence[int],
     block_size: int,
     salt: str | None = None,
+    block_extra: Callable[[int], bytes] | None = None,
 ) -> list[bytes]:
     """Append the digests of the complete blocks of ``token_ids`` that
     ``digests`` does not have yet; returns ``digests``.
 
-    ``digest[b] = blake2b(digest[b - 1] || int64 ids of block b)``, 128 bits
-    of chain state, so a digest names the whole token prefix."""
+    ``digest[b] = blake2b(digest[b - 1] || int64 ids of block b || extra)``,
+    128 bits of chain state, so a digest names the whole token prefix and
+    whatever else determines its KV: ``salt`` seeds the chain, and
+    ``block_extra(b)`` adds block ``b``'s own keys (multimodal items, prompt
+    embeddings; see :mod:`vineyard_request_keys`)."""
     done, end = len(digests), len(token_ids) // block_size
     if end <= done:
         return digests
     ids = np.asarray(token_ids[done * block_size : end * block_size], np.int64)
     blocks = ids.reshape(end - done, block_size)
     prev = digests[-1] if digests else root_digest(salt)
-    for block in blocks:
-        prev = hashlib.blake2b(
-            prev + block.tobytes(), digest_size=_DIGEST_BYTES
-        ).digest()
+    for b, block in enumerate(blocks, start=done):
+        data = prev + block.tobytes()
+        if block_extra is not None:
+            data += block_extra(b)
+        prev = hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
         digests.append(prev)
     return digests
 

@@ -13,7 +13,10 @@ real worker-side caches (real vineyard backends).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +24,6 @@ from vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
-    Allocated,
     Step,
     WorkerHarness,
     admit,
@@ -37,10 +39,9 @@ from vineyard_connector_testing import (
 )
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.v1.request import Request
 
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_scheduler import NEVER, VineyardConnectorScheduler
+from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
 from vllm.worker.vineyard_lookup import VineyardCacheLookup
 from vllm.worker.vineyard_store import extend_digests
 
@@ -56,18 +57,27 @@ def digests(tokens: list[int], salt: str | None = None) -> list[bytes]:
     return extend_digests([], tokens, BLOCK_SIZE, salt)
 
 
+_fills = itertools.count()
+
+
 def cache_prompt(
     config: VineyardLLMCacheConfig,
     worker: WorkerHarness,
-    tokens: list[int],
+    tokens: list[int] | None,
     num_tokens: int,
     salt: str | None = None,
+    **request: Any,
 ) -> None:
     """Save the first ``num_tokens`` (whole chunks) of ``tokens`` through a
     scheduler side and the worker, as an engine would, and wait for the
-    background writes."""
+    background writes. ``request``: more ``Request`` arguments."""
     sched = make_scheduler(config, [worker.layout])
-    req = make_request(f"fill-{len(tokens)}-{tokens[0]}", tokens, cache_salt=salt)
+    req = make_request(
+        f"fill-{next(_fills)}",
+        tokens,
+        cache_salt=salt,
+        **request,
+    )
     admit(sched, req)
     blocks = list(range(num_blocks_for(num_tokens)))
     run_step(sched, Step(new=[(req, blocks, num_tokens)]), [worker])
@@ -231,54 +241,97 @@ def test_at_least_one_token_is_computed(
 # ---- what is not cached -----------------------------------------------------
 
 
-def _embeds_request(tokens: list[int]) -> Request:
-    return make_request("embeds", None, prompt_embeds=torch.zeros(len(tokens), 8))
+def _adapter(path: Path, seed: int) -> str:
+    """A LoRA adapter's files in PEFT's layout (the scheduler only reads
+    them for their fingerprint; nothing runs them here)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    weights = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    (path / "adapter_model.safetensors").write_bytes(weights.numpy().tobytes())
+    return str(path)
 
 
-def _mm_request(tokens: list[int]) -> Request:
-    image = MultiModalFeatureSpec(
+def _image(identifier: str, offset: int = 0) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
         data=None,
         modality="image",
-        identifier="img-0",
-        mm_position=PlaceholderRange(offset=0, length=16),
-    )
-    return make_request("mm", tokens, mm_features=[image])
-
-
-def _lora_request(tokens: list[int]) -> Request:
-    return make_request(
-        "lora", tokens, lora_request=LoRARequest("adapter", 1, "/nonexistent")
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=BLOCK_SIZE + 3),
     )
 
 
-@pytest.mark.parametrize(
-    "make", [_embeds_request, _mm_request, _lora_request], ids=["embeds", "mm", "lora"]
-)
-def test_uncacheable_requests_are_never_cached(
-    make: object,
+def _embeds(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _variants(
+    kind: str, tmp_path: Path, n: int
+) -> tuple[dict[str, Any], Callable[[], list[dict[str, Any]]]]:
+    """Request arguments of a variant of one prompt, and (called after it
+    was saved) of others whose KV differ."""
+    if kind == "embeds":
+        return {"prompt_embeds": _embeds(1, n)}, lambda: [
+            {"prompt_embeds": _embeds(seed, n)} for seed in (2, 3)
+        ]
+    if kind == "mm":
+        return {"mm_features": [_image("image-a")]}, lambda: [
+            {"mm_features": [_image("image-b")]},
+            {"mm_features": [_image("image-a", offset=BLOCK_SIZE)]},
+        ]
+    adapter = _adapter(tmp_path / "adapter", seed=1)
+
+    def others() -> list[dict[str, Any]]:
+        other = _adapter(tmp_path / "other", seed=2)
+        # The same name and path, retrained and loaded again (a new id).
+        _adapter(tmp_path / "adapter", seed=3)
+        return [
+            {"lora_request": LoRARequest("other", 2, other)},
+            {"lora_request": LoRARequest("adapter", 3, adapter)},
+        ]
+
+    return {"lora_request": LoRARequest("adapter", 1, adapter)}, others
+
+
+@pytest.mark.parametrize("kind", ["embeds", "mm", "lora"])
+def test_requests_are_cached_under_their_own_keys(
+    kind: str,
     config: VineyardLLMCacheConfig,
     worker: WorkerHarness,
     sched: VineyardConnectorScheduler,
+    tmp_path: Path,
 ) -> None:
-    """The KV of prompt embeddings, images and LoRA adapters is not
-    determined by token ids: even with the tokens' chunks on disk there is
-    no hit, and the workers get nothing for the request (no digests, no
-    save), only the plain request beside it does."""
-    assert callable(make)
+    """A request with prompt embeddings, an image or a LoRA adapter is
+    saved and found under what determines its KV: the same again hits, a
+    variant (other embeddings, another image or placement, another or a
+    retrained adapter) and the bare token ids miss."""
     prompt = random_tokens(3 * CHUNK_SIZE + 1)
-    cache_prompt(config, worker, prompt, 3 * CHUNK_SIZE)
-    req: Request = make(prompt)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert sched._requests[req.request_id].save_from == NEVER
-    sched.update_state_after_alloc(req, Allocated([]), 0)
-    plain = make_request("plain", prompt)
-    assert admit(sched, plain) == 3 * CHUNK_SIZE
-    n = req.num_tokens
-    meta = run_step(
-        sched,
-        Step(new=[(req, list(range(num_blocks_for(n))), n), (plain, [60, 61], 1)]),
-    )
-    assert [d.req_id for d in meta.requests] == ["plain"]
+    tokens = None if kind == "embeds" else prompt
+    first, others = _variants(kind, tmp_path, len(prompt))
+    cache_prompt(config, worker, tokens, 3 * CHUNK_SIZE, **first)
+    again = make_request(f"{kind}-again", tokens, **first)
+    assert admit(sched, again) == 3 * CHUNK_SIZE
+    assert sched._requests[again.request_id].save_from == 3 * CHUNK_SIZE
+    for i, variant in enumerate(others()):
+        assert admit(sched, make_request(f"{kind}-{i}", tokens, **variant)) == 0
+    assert admit(sched, make_request(f"{kind}-plain", [0] * len(prompt))) == 0
+    assert admit(sched, make_request(f"{kind}-bare", prompt)) == 0
+
+
+def test_blocks_before_an_image_are_shared(sched: VineyardConnectorScheduler) -> None:
+    """An image changes the KV from its placeholder on, not before it: the
+    digests of the blocks before it equal the bare prompt's."""
+    prompt = random_tokens(4 * BLOCK_SIZE)
+
+    def sent(req_id: str, **kwargs: Any) -> list[bytes]:
+        req = make_request(req_id, prompt, **kwargs)
+        admit(sched, req)
+        step = Step(new=[(req, [0, 1, 2, 3], len(prompt))])
+        return only(run_step(sched, step)).new_digests
+
+    bare = sent("before-bare")
+    image = sent("before-image", mm_features=[_image("image-a", 2 * BLOCK_SIZE)])
+    assert image[:2] == bare[:2]
+    assert not {*image[2:]} & {*bare}
 
 
 def test_cache_salt_digests(sched: VineyardConnectorScheduler) -> None:

@@ -42,6 +42,7 @@ from vineyard_scheduler_testing import (
     random_tokens,
 )
 from vineyard_testing import resume_processes, wait_until
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -83,13 +84,20 @@ class Rig:
         return self._workers[chunk_size]
 
     def engine(
-        self, worker: FakeWorker, num_blocks: int = NUM_BLOCKS, **config: Any
+        self,
+        worker: FakeWorker,
+        num_blocks: int = NUM_BLOCKS,
+        encoder_budget: int = 0,
+        **config: Any,
     ) -> Engine:
         """``config``: ``create_vllm_config`` arguments and cache settings."""
         vllm_config = create_vllm_config(
             self.model_dir, self.root, chunk_size=worker.layout.chunk_size, **config
         )
-        engine = Engine(create_scheduler(vllm_config, num_blocks), worker)
+        scheduler = create_scheduler(
+            vllm_config, num_blocks, encoder_budget=encoder_budget
+        )
+        engine = Engine(scheduler, worker)
         self._engines.append(engine)
         return engine
 
@@ -146,12 +154,15 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[LookupGate]:
     lookup_gate.open()
 
 
-def cache_prompt(engine: Engine, req_id: str, prompt: list[int]) -> torch.Tensor:
+def cache_prompt(
+    engine: Engine, req_id: str, prompt: list[int], **request: Any
+) -> torch.Tensor:
     """Run a request for ``prompt`` to the end (its prefill and one decode
     step save its whole chunks), wait for the writes, empty vLLM's local
     prefix cache (as another instance would have it), and return the bytes
-    of the request's prompt blocks as the worker had them."""
-    engine.add(create_request(req_id, prompt))
+    of the request's prompt blocks as the worker had them. ``request``: more
+    ``Request`` arguments."""
+    engine.add(create_request(req_id, prompt, **request))
     engine.drain()
     engine.worker.wait_for_writes()
     assert engine.scheduler.reset_prefix_cache()
@@ -521,3 +532,45 @@ def test_preempted_after_a_load_is_loaded_again_into_new_blocks(rig: Rig) -> Non
     assert engine.counter("loaded_tokens") == 4 * BLOCK_SIZE + hit
     assert engine.counter("load_errors") == 0
     assert_scheduler_empty(engine.scheduler)
+
+
+# ---- 6. multimodal items ----------------------------------------------------
+
+
+def _image(identifier: str) -> MultiModalFeatureSpec:
+    """An image whose placeholder starts at the second block."""
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=BLOCK_SIZE + 4, length=2 * BLOCK_SIZE),
+    )
+
+
+def test_images_key_the_blocks_from_their_placeholder_on(rig: Rig) -> None:
+    """A prompt with an image is saved; the same text with another image
+    hits only the block before the placeholder (its KV does not depend on
+    the image), and the same image hits the whole prompt and loads the
+    bytes that were saved."""
+    worker = rig.worker()
+    engine = rig.engine(worker, encoder_budget=1024)
+    prompt = random_tokens(5 * BLOCK_SIZE + 3)
+    saved = cache_prompt(engine, "img-save", prompt, mm_features=[_image("image-a")])
+
+    def first_scheduled(req_id: str, image: str) -> tuple[int, Request]:
+        req = engine.add(create_request(req_id, prompt, mm_features=[_image(image)]))
+        record = engine.run_until(lambda r: r.num_scheduled(req.request_id) > 0)
+        computed = scheduled_with(record, req)
+        assert computed is not None
+        return computed, req
+
+    other, _ = first_scheduled("img-other", "image-b")
+    assert other == BLOCK_SIZE
+    engine.drain()
+    assert engine.scheduler.reset_prefix_cache()
+    same, req = first_scheduled("img-same", "image-a")
+    assert same == 5 * BLOCK_SIZE
+    block_ids = worker.requests[req.request_id].block_ids
+    assert torch.equal(worker.blocks(block_ids[:5]), saved[:, :5])
+    engine.drain()
+    assert engine.counter("load_errors") == 0

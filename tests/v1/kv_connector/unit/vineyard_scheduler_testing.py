@@ -43,14 +43,17 @@ from vllm.config.scheduler import SchedulerPolicy
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -159,46 +162,71 @@ def create_vllm_config(
     )
 
 
-def make_kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    """One full-attention group of every layer, as the CPU worker has it."""
+def make_kv_cache_config(
+    num_blocks: int = NUM_BLOCKS, sliding_window: int | None = None
+) -> KVCacheConfig:
+    """One group of every layer, as the CPU worker has it: full attention,
+    or with ``sliding_window`` every layer windowed (Mistral-7B-v0.1 style:
+    vLLM frees a request's blocks once they leave the window)."""
+    spec: AttentionSpec
+    if sliding_window is None:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=torch.float32,
+        )
+    else:
+        spec = SlidingWindowSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(LAYER_NAMES),
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=NUM_KV_HEADS,
-                    head_size=HEAD_SIZE,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
     )
 
 
 def create_scheduler(
-    vllm_config: VllmConfig, num_blocks: int = NUM_BLOCKS
+    vllm_config: VllmConfig,
+    num_blocks: int = NUM_BLOCKS,
+    sliding_window: int | None = None,
+    encoder_budget: int = 0,
 ) -> Scheduler:
-    """vLLM's scheduler with the connector (role SCHEDULER) it builds itself."""
+    """vLLM's scheduler with the connector (role SCHEDULER) it builds itself.
+    ``encoder_budget``: encoder tokens per step and in the encoder cache, so
+    that requests with multimodal items are scheduled (the model here is
+    text-only, which would give none)."""
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(
+    scheduler = Scheduler(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(num_blocks),
+        kv_cache_config=make_kv_cache_config(num_blocks, sliding_window),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
+    if encoder_budget:
+        scheduler.max_num_encoder_input_tokens = encoder_budget
+        scheduler.encoder_cache_manager = EncoderCacheManager(encoder_budget)
+    return scheduler
 
 
 _none_hash_initialized = False
 
 
 def create_request(
-    req_id: str, prompt: list[int], max_tokens: int = 2, priority: int = 0
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int = 2,
+    priority: int = 0,
+    **kwargs: Any,
 ) -> Request:
-    """A request with vLLM's block hasher (its local prefix cache needs it)."""
+    """A request with vLLM's block hasher (its local prefix cache needs it);
+    ``kwargs``: more ``Request`` arguments (e.g. ``mm_features``)."""
     global _none_hash_initialized
     if not _none_hash_initialized:
         init_none_hash(sha256)
@@ -210,6 +238,7 @@ def create_request(
         pooling_params=None,
         priority=priority,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        **kwargs,
     )
 
 
@@ -274,12 +303,19 @@ class FakeWorker:
     tensors (``[layers, blocks, heads, block, 2 * head]``, one allocation,
     one tensor per layer registered as vLLM's CPU worker does)."""
 
-    def __init__(self, vllm_config: VllmConfig, num_blocks: int = NUM_BLOCKS):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        num_blocks: int = NUM_BLOCKS,
+        sliding_window: int | None = None,
+    ):
         self.kv = torch.zeros(
             NUM_LAYERS, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE
         )
         self.connector = VineyardConnector(
-            vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(num_blocks)
+            vllm_config,
+            KVConnectorRole.WORKER,
+            make_kv_cache_config(num_blocks, sliding_window),
         )
         # register_kv_caches asks vLLM's TP group for the rank: TP 1 here.
         tp1 = SimpleNamespace(world_size=1, rank_in_group=0)
