@@ -3,7 +3,8 @@
 """The v2 storage format at the cache level, on real vineyard and real
 backend processes: one entry per KV block (all layers), every loaded entry
 verified against its trailer, lookups by ``stat`` only, keyed namespaces,
-file modes, and formats and chunk sizes that never mix (issue 7, Tests).
+file modes, formats and chunk sizes that never mix (issue 7, Tests), and
+hash collisions that leave others' files alone (issue 22).
 
 Corruption is made at rest, on the chunk files themselves, the way bit rot,
 a crash, a foreign writer or an attacker would leave them: vineyard's own
@@ -14,6 +15,7 @@ entries (payload, then a 64-byte trailer, each).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import stat
@@ -23,9 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import mmh3
+import numpy as np
 import pytest
 import torch
 from vineyard_cache_testing import (
+    BLOCK_SIZE,
     CHUNK_SIZE,
     CacheFactory,
     CacheHarness,
@@ -33,6 +38,7 @@ from vineyard_cache_testing import (
     make_tokens,
     read_header_ids,
     same_bits,
+    whole_chunks,
     write_header_ids,
 )
 
@@ -40,6 +46,7 @@ from vllm.worker.vineyard_lookup import VineyardCacheLookup, weights_fingerprint
 from vllm.worker.vineyard_store import (
     FORMAT_VERSION,
     TRAILER_BYTES,
+    ChunkFiles,
     LogLimiter,
     Sealer,
     extend_digests,
@@ -183,6 +190,207 @@ def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind
     assert h.load(victim, 0, CACHED, dst) == CACHED
     h.check_loaded(before, src, dst, CACHED // h.block_size)
     assert h.counters()["corrupt_chunks"] == 1  # no new one
+
+
+# --------------------------------------------------------------------------
+# Hash collisions leave others' files alone
+# --------------------------------------------------------------------------
+
+
+def _collide(prefixes: list[list[int]], same_ids: bool = False) -> list[list[int]]:
+    """Two token lists, the shorter first, whose last chunks' files share
+    a path (vineyard's 32-bit MurmurHash3 of their ids) and whose ids
+    differ or, ``same_ids``, are the same: a birthday search over one more
+    block after ``prefixes`` (of an odd number of blocks, so that with it
+    they are whole chunks). With two prefixes, one list follows each; with
+    one, both follow it (the hash of its ids is then a permutation of the
+    last id: only the same ids share a path). Any seeds of the prefixes
+    do, in a second or two; the fixtures' seeds are ones that end early."""
+    tail = make_tokens(BLOCK_SIZE - 2, seed=0)
+
+    def tokens(k: int, i: int) -> list[int]:
+        return [*prefixes[k], i % 32000, i // 32000, *tail]
+
+    starts = [extend_digests([], p, BLOCK_SIZE) for p in prefixes]
+    seen: list[dict[int, tuple[int, list[int]]]] = [{} for _ in prefixes]
+    for i in itertools.count():
+        for k, start in enumerate(starts):
+            ids = synthetic_ids(extend_digests(list(start), tokens(k, i), BLOCK_SIZE))
+            path = mmh3.hash(np.asarray(ids, np.int32).tobytes(), 0, signed=False)
+            found = seen[k - 1].get(path)  # the other prefix's (its own if alone)
+            if found is not None and (found[1] == ids) == same_ids:
+                return sorted([tokens(k - 1, found[0]), tokens(k, i)], key=len)
+            seen[k].setdefault(path, (i, ids))
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def same_size_collision() -> list[list[int]]:
+    """Two one-chunk prompts (and the token vLLM computes) whose chunk
+    files share a path."""
+    prefixes = [make_tokens(BLOCK_SIZE, seed=s) for s in (23, 24)]
+    return [t + [0] for t in _collide(prefixes)]
+
+
+@pytest.fixture(scope="module")
+def cross_size_collision() -> list[list[int]]:
+    """A one-chunk prompt and a two-chunk one whose second chunk's file
+    has the path of the first's (files of different sizes)."""
+    prefixes = [make_tokens(BLOCK_SIZE, seed=31), make_tokens(3 * BLOCK_SIZE, seed=32)]
+    return [t + [0] for t in _collide(prefixes)]
+
+
+@pytest.fixture(scope="module")
+def id_collision() -> list[list[int]]:
+    """Two one-chunk prompts of the same ids (vineyard's keys): the same
+    first block, then blocks whose 31-bit ids collide."""
+    return [t + [0] for t in _collide([make_tokens(BLOCK_SIZE, seed=21)], True)]
+
+
+def test_the_header_tells_a_collision_from_a_damaged_chunk(
+    tmp_path: Path, cross_size_collision: list[list[int]]
+):
+    """What a file's header says decides: another prefix's whole chunk at
+    its own path is theirs; a file of these ids, one cut short, one with a
+    count no chunk has, or another prefix's copied to a path not its own
+    is not (this prefix removes it); nothing there cannot be read."""
+    files = ChunkFiles(str(tmp_path), 2, 8)
+    short, long = (
+        synthetic_ids(extend_digests([], t, BLOCK_SIZE)) for t in cross_size_collision
+    )
+    path = files.path(short)
+    assert files.path(long) == path
+    with pytest.raises(FileNotFoundError):
+        files.holds_other_prefix(short)
+
+    def holds_other(header: list[int], size: int) -> bool:
+        data = np.asarray(header, np.int32).tobytes()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data[:size].ljust(size, b"\0"))
+        return files.holds_other_prefix(short)
+
+    whole = files.file_bytes(len(long))
+    assert holds_other([len(long), *long], whole)
+    assert not holds_other([len(long), *long], whole - 1)  # cut short
+    assert not holds_other([len(long), *long], 10)  # cut in the header
+    assert not holds_other([len(short), *short], files.file_bytes(len(short)) + 1)
+    assert not holds_other([2**31 - 1, *long], whole)  # never read
+    assert not holds_other([len(long), *long[:-1], long[-1] ^ 1], whole)
+
+
+def _save_both(
+    h: CacheHarness, mine: list[int], other: list[int], collisions: int
+) -> tuple[list[int], list[int], dict[str, bytes]]:
+    """Save ``mine``, then ``other``, whose save counts ``collisions`` (it
+    stops before ``mine``'s chunk at their shared path: vineyard would
+    delete it); returns their blocks and the bytes of ``mine``'s chunk
+    files. Counters start at 0 again."""
+    src = h.save_tokens(mine, SRC, "mine")
+    files = {}
+    for c in range(len(mine) // CHUNK_SIZE):
+        with open(h.chunk_path(mine, c), "rb") as f:
+            files[h.chunk_path(mine, c)] = f.read()
+    h.reset_counters()
+    other_src = h.save_tokens(other, DONOR_SRC, "other")
+    assert h.counters()["path_collisions"] == collisions
+    h.reset_counters()
+    return src, other_src, files
+
+
+def _owner_keeps(
+    h: CacheHarness, tokens: list[int], src: list[int], files: dict[str, bytes]
+) -> None:
+    """``tokens``' chunk files are byte for byte as its save wrote them,
+    and it hits and loads whole, bit-exact."""
+    for path, content in files.items():
+        with open(path, "rb") as f:
+            assert f.read() == content, f"{path} was changed"
+    cached = whole_chunks(len(tokens))
+    assert h.lookup(tokens) == (cached, cached)
+    dst = h.blocks_for(DST, len(tokens))
+    before = h.kv.clone()
+    assert h.load(tokens, 0, cached, dst) == cached
+    h.check_loaded(before, src, dst, cached // h.block_size)
+
+
+@pytest.mark.parametrize("owner", [0, 1])
+def test_a_path_collision_of_same_size_files_leaves_the_owners_file(
+    make_cache: CacheFactory, same_size_collision: list[list[int]], owner: int
+):
+    """Two prompts whose chunk files (of one size) share a path: the first
+    saved keeps it, the other's save stops before it. The other's lookup
+    finds a whole chunk there (lookups read no bytes); its load reads none
+    of it (vineyard compares the ids) and leaves it in place, counted as a
+    collision, not a corrupt chunk."""
+    h = make_cache()
+    mine, other = same_size_collision[owner], same_size_collision[1 - owner]
+    assert h.chunk_path(mine, 0) == h.chunk_path(other, 0)
+    assert h.ids(mine) != h.ids(other)
+    src, _, files = _save_both(h, mine, other, collisions=1)
+
+    assert h.lookup(other) == (CHUNK_SIZE, CHUNK_SIZE)
+    before = h.kv.clone()
+    assert h.load(other, 0, CHUNK_SIZE, h.blocks_for(DST, len(other))) == 0
+    assert same_bits(h.kv, before)
+    counters = h.counters()
+    assert counters["path_collisions"] == 1
+    assert counters["corrupt_chunks"] == 0
+    _owner_keeps(h, mine, src, files)
+
+
+@pytest.mark.parametrize("owner", ["short", "long"])
+def test_a_path_collision_across_lengths_leaves_the_owners_file(
+    make_cache: CacheFactory, cross_size_collision: list[list[int]], owner: str
+):
+    """A one-chunk prompt whose chunk file has the path of a two-chunk
+    prompt's second chunk: to the other prompt that file has the wrong
+    size, yet it is no damaged chunk of its own (its header names a prefix
+    of that path), so its lookup stops there and leaves it, counted as a
+    collision; it loads only the chunks before (and its save stopped
+    there)."""
+    h = make_cache()
+    short, long = cross_size_collision
+    assert h.chunk_path(short, 0) == h.chunk_path(long, 1)
+    mine, other = (short, long) if owner == "short" else (long, short)
+    src, other_src, files = _save_both(h, mine, other, collisions=1)
+
+    cached = CHUNK_SIZE if other is long else 0  # its chunk before the path
+    assert h.lookup(other) == (cached, cached)
+    dst = h.blocks_for(DST, len(other))
+    before = h.kv.clone()
+    assert h.load(other, 0, 2 * CHUNK_SIZE, dst) == cached
+    h.check_loaded(before, other_src, dst, cached // h.block_size)
+    counters = h.counters()
+    assert counters["path_collisions"] == 1
+    assert counters["corrupt_chunks"] == 0
+    _owner_keeps(h, mine, src, files)
+
+
+def test_an_id_collision_leaves_the_owners_file(
+    make_cache: CacheFactory, id_collision: list[list[int]]
+):
+    """Two prompts of the same ids (so one chunk file): vineyard reads the
+    owner's chunk for the other; its second block fails verification for
+    the other, but verifies under the digest its trailer names (a valid
+    block of another prefix with this id): left in place, counted as a
+    collision, not a corrupt chunk. (The other's save found its ids there,
+    so vineyard kept the file as its own.)"""
+    h = make_cache()
+    mine, other = id_collision
+    assert h.ids(mine) == h.ids(other)
+    assert h.digests(mine)[1] != h.digests(other)[1]
+    src, _, files = _save_both(h, mine, other, collisions=0)
+
+    assert h.lookup(other) == (CHUNK_SIZE, CHUNK_SIZE)
+    before = h.kv.clone()
+    assert h.load(other, 0, CHUNK_SIZE, h.blocks_for(DST, len(other))) == 0
+    assert same_bits(h.kv, before)
+    counters = h.counters()
+    assert counters["path_collisions"] == 1
+    assert counters["corrupt_chunks"] == 0
+    assert counters["bytes_read"] > 0  # vineyard did hand the chunk over
+    _owner_keeps(h, mine, src, files)
 
 
 # --------------------------------------------------------------------------

@@ -95,10 +95,6 @@ def _import_vineyard_llm() -> Any:
     return vineyard.llm
 
 
-#: How the reader opens a chunk file to tell "unreadable" from "bad".
-_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
 def _write_error_reason(
     path: str, need_bytes: int, leaked_files: int = 1
 ) -> str | None:
@@ -214,7 +210,14 @@ class _VineyardServer:
             for b in range(spec.num_buffers)
         ]
         self._stats = dict.fromkeys(
-            ("bytes_read", "bytes_written", "corrupt_chunks", "write_errors"), 0
+            (
+                "bytes_read",
+                "bytes_written",
+                "corrupt_chunks",
+                "path_collisions",
+                "write_errors",
+            ),
+            0,
         )
         self._removed: list[str] = []  # corrupt chunk files removed
         self._log = store.LogLimiter(logger)
@@ -243,7 +246,10 @@ class _VineyardServer:
         bpc = self._spec.blocks_per_chunk
         results: list[tuple[int, str | None]] = []
         for first, prefix, ids, digests in segments:
-            self._clear_chunk_paths(prefix, ids)
+            ids = ids[: self._clear_chunk_paths(prefix, ids)]
+            if not ids:  # another prefix's chunk comes first: all refused
+                results.append((0, None))
+                continue
             for i, digest in enumerate(digests):
                 self._sealer.seal(views[first + i], digest)
             # The disk limit holds at every write: room for the chunks not
@@ -290,13 +296,24 @@ class _VineyardServer:
             except OSError:
                 yield end, path, None
 
-    def _clear_chunk_paths(self, prefix: list[int], ids: list[int]) -> None:
+    def _clear_chunk_paths(self, prefix: list[int], ids: list[int]) -> int:
         """Before vineyard writes these chunks: what is at their paths and
         is not a regular file (a FIFO would block the write, a link would be
         followed outside the root) is removed, counted as a corrupt chunk.
-        A regular file is kept (vineyard keeps a chunk it has)."""
-        for _, path, mode in self._chunk_entries(prefix, ids):
-            if mode is None or stat.S_ISREG(mode):
+        A regular file is kept (vineyard keeps a chunk it has). Returns how
+        many of ``ids`` vineyard may write: those before a chunk whose path
+        holds another prefix's chunk (a collision), as vineyard deletes what
+        is at the path of every chunk from the first it cannot write on."""
+        bpc = self._spec.blocks_per_chunk
+        for end, path, mode in self._chunk_entries(prefix, ids):
+            if mode is None:
+                continue
+            if stat.S_ISREG(mode):
+                # Unreadable now: vineyard cannot read it either.
+                with contextlib.suppress(OSError):
+                    if self._files.holds_other_prefix(prefix + ids[:end]):
+                        self._collision(prefix + ids[:end])
+                        return end - bpc
                 continue
             try:
                 if stat.S_ISDIR(mode):
@@ -311,6 +328,7 @@ class _VineyardServer:
                 "vineyard cache: removed what is not a chunk at a chunk path: %s",
                 path,
             )
+        return len(ids)
 
     def _regular_chunks(self, prefix: list[int], ids: list[int]) -> int:
         """How many of ``ids`` lie in chunks whose paths hold a regular
@@ -342,7 +360,8 @@ class _VineyardServer:
         ``prefix``) into the buffer from slot 0 and verify every entry.
         Returns the number of verified entries (whole chunks); a chunk that
         fails verification, or that vineyard cannot read though it is on
-        disk, is deleted and counted."""
+        disk, is deleted and counted, unless it is another prefix's valid
+        chunk (a hash collision: counted, left in place)."""
         views = self._views[buffer_id]
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
@@ -362,21 +381,36 @@ class _VineyardServer:
         good = verified // bpc * bpc
         bad_end = None
         if good < found:  # failed verification
-            bad_end = good + bpc
+            # A valid block of another prefix that has this block's id
+            # (vineyard keys blocks by these 31-bit ids alone) is no damage;
+            # a block under an id not its own (a forged header) is.
+            view = views[verified]
+            claimed = store.Sealer.digest_of(view)
+            if (
+                claimed != digests[verified]
+                and store.synthetic_id(claimed) == ids[verified]
+                and self._sealer.verify(view, claimed)
+            ):
+                self._collision(prefix + ids[: good + bpc])
+            else:
+                bad_end = good + bpc
         elif found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc]):
-            # On disk at its full size, yet vineyard did not read it: a file
-            # of another prefix (bad), or one this process cannot open now
-            # (another instance's group, a stale handle, out of descriptors:
-            # not bad, left alone).
-            path = self._files.path(prefix + ids[: found + bpc])
+            # On disk at its full size, yet vineyard did not read it: the
+            # chunk of another prefix at the same path (a collision, left
+            # alone), a damaged one (removed), or one this process cannot
+            # open now (another instance's group, a stale handle, out of
+            # descriptors: not bad, left alone).
+            end = found + bpc
             try:
-                os.close(os.open(path, _OPEN_CHUNK))
-                bad_end = found + bpc
+                if self._files.holds_other_prefix(prefix + ids[:end]):
+                    self._collision(prefix + ids[:end])
+                else:
+                    bad_end = end
             except OSError as e:
                 self._log.warning(
                     "unreadable",
                     "vineyard cache chunk could not be read (left in place): %s: %s",
-                    path,
+                    self._files.path(prefix + ids[:end]),
                     e,
                 )
         if bad_end is not None:
@@ -395,6 +429,17 @@ class _VineyardServer:
         first = 0 if touch_prefix and good else len(prefix) // bpc
         self._files.touch(prefix + ids, first, (len(prefix) + good) // bpc - first)
         return {"verified": good, "stats": self.take_stats()}
+
+    def _collision(self, ids: list[int]) -> None:
+        """The chunk at the path of ``ids`` is another prefix's, valid:
+        this prefix neither loads nor writes it, and the file stays."""
+        self._stats["path_collisions"] += 1
+        self._log.warning(
+            "collision",
+            "vineyard cache chunk of another prefix at this prefix's path "
+            "(a hash collision; left in place, the tokens are recomputed): %s",
+            self._files.path(ids),
+        )
 
     def take_stats(self) -> dict[str, Any]:
         """Counters since the last call, and ``removed_paths``: the chunk

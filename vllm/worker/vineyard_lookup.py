@@ -26,6 +26,7 @@ from vllm.worker.vineyard_store import (
     FORMAT_VERSION,
     TRAILER_BYTES,
     ChunkFiles,
+    LogLimiter,
     synthetic_ids,
 )
 
@@ -188,6 +189,7 @@ class VineyardCacheLookup:
         self.block_size = layouts[0].block_size
         self._files = [layout.files(config.root) for layout in layouts]
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
+        self._log = LogLimiter(logger)
 
     def lookup(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
@@ -219,7 +221,9 @@ class VineyardCacheLookup:
         placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
         renames whole chunks into place, so no write is ever seen half
         done): remove it, so that the next save writes the chunk again
-        (vineyard keeps a file it finds at a chunk's path)."""
+        (vineyard keeps a file it finds at a chunk's path). Unless it is
+        another prefix's chunk whose ids hash to the same path: that one is
+        valid, and left to its prefix."""
         path = files.path(ids)
         try:
             st = os.lstat(path)
@@ -230,7 +234,19 @@ class VineyardCacheLookup:
             files.file_bytes(len(ids)),
         ):
             return
-        if remove_file(files.root, path, st.st_ino):
+        try:
+            collision = files.holds_other_prefix(ids)
+        except OSError:
+            return  # cannot be read now: not known to be bad
+        if collision:
+            self.metrics.add("path_collisions")
+            self._log.warning(
+                "collision",
+                "vineyard cache chunk of another prefix at this prefix's path "
+                "(a hash collision; left in place, the tokens are recomputed): %s",
+                path,
+            )
+        elif remove_file(files.root, path, st.st_ino):
             self.metrics.add("corrupt_chunks")
             logger.warning(
                 "vineyard cache chunk of the wrong size (%d bytes, not %d) was "

@@ -32,6 +32,9 @@ COUNTERS: dict[str, str] = {
     "load_errors": "Loads that failed or returned less than the lookup promised.",
     "corrupt_chunks": "Chunks that failed verification (or could not be read) "
     "and were removed.",
+    "path_collisions": "Chunks neither loaded nor written because their path "
+    "(or their ids) held another prefix's valid chunk (a hash collision), "
+    "which was left in place.",
     "bytes_read": "KV bytes read from vineyard (loads only; lookups read none).",
     "bytes_written": "KV bytes written to vineyard.",
     "updates_submitted": "Updates handed to the background writer.",

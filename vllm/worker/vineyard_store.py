@@ -30,6 +30,8 @@ import contextlib
 import functools
 import hashlib
 import os
+import stat
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +51,12 @@ _MAC_BYTES = 32
 # Trailer: magic(5) keyed(1) pad(2) | digest(16) | checksum or MAC(32) | pad(8)
 _DIGEST_AT = 8
 _MAC_AT = _DIGEST_AT + _DIGEST_BYTES
+#: How a chunk file is opened outside vineyard: never following a link,
+#: never blocking (a FIFO planted at a chunk path must not hang a reader).
+OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: A header naming more ids than this is no chunk's (far beyond any
+#: context): it is not read.
+_MAX_HEADER_IDS = 1 << 22
 
 
 def root_digest(salt: str | None) -> bytes:
@@ -251,9 +259,36 @@ class ChunkFiles:
 
     def path(self, ids: Sequence[int]) -> str:
         """The file of the chunk that ends at the end of ``ids``."""
-        h = mmh3.hash(np.asarray(ids, np.int32).tobytes(), 0, signed=False)
+        return self._path(np.asarray(ids, np.int32).tobytes())
+
+    def _path(self, header_ids: bytes) -> str:
+        h = mmh3.hash(header_ids, 0, signed=False)
         name = f"{h:08x}"
         return os.path.join(self.root, name[0:2], name[2:4], name[4:6], name[6:8])
+
+    def holds_other_prefix(self, ids: Sequence[int]) -> bool:
+        """Whether the file at the path of ``ids`` is the whole chunk of
+        another prefix whose ids hash to the same path (a 32-bit collision):
+        a valid chunk, which this prefix must leave alone. ``False`` for a
+        file that names these ids, or that is cut short, or that names a
+        prefix of another path (copied or planted: nobody reads it there),
+        which are this prefix's to remove. Reads the header only; raises
+        ``OSError`` when the file cannot be opened or read now (then it is
+        nobody's to remove)."""
+        mine = np.asarray(ids, np.int32).tobytes()
+        path = self._path(mine)
+        fd = os.open(path, OPEN_CHUNK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return False  # no chunk at all (never read: it could block)
+            n = int.from_bytes(os.pread(fd, 4, 0), sys.byteorder, signed=True)
+            if not 0 < n <= _MAX_HEADER_IDS or st.st_size != self.file_bytes(n):
+                return False  # no chunk's header, or cut short
+            theirs = os.pread(fd, 4 * n, 4)
+        finally:
+            os.close(fd)
+        return theirs != mine and self._path(theirs) == path
 
     def file_bytes(self, num_ids: int) -> int:
         return 4 + 4 * num_ids + self.blocks_per_chunk * self.entry_bytes
