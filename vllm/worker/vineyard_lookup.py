@@ -280,12 +280,16 @@ class VineyardCacheLookup:
 
 @dataclass
 class _LookupJob:
+    """One request's lookup: the filesystem's answer does not depend on
+    vLLM's local hit, so a request whose local hit changes keeps its job."""
+
     digests: list[bytes]
-    num_local_tokens: int
     num_tokens: int
-    submitted_at: float = field(default_factory=time.monotonic)
+    deadline: float  # monotonic: the request's, from its first ask
+    started_at: float | None = None  # when a thread began it (not queued)
+    cancelled: bool = False  # replaced or answered: a thread skips it
     done: threading.Event = field(default_factory=threading.Event)
-    result: tuple[int, int] = (0, 0)
+    result: tuple[int, int] = (0, 0)  # (hit end from token 0, save_from)
 
 
 class BackgroundLookups:
@@ -293,11 +297,15 @@ class BackgroundLookups:
     scheduler's thread never touches the filesystem.
 
     :meth:`lookup` answers from a finished lookup, ``None`` while one is
-    pending ("ask again next step"), and a miss once a lookup is older than
-    ``timeout_s`` (counted as ``lookup_timeouts``). A ``stat`` that hangs
-    cannot be cancelled, so a thread stuck past the deadline is abandoned
-    and another takes over the queue: a hung filesystem costs hits, never
-    the engine's progress.
+    pending ("ask again next step"), and a miss once the request's deadline
+    (``timeout_s`` from its first ask) has passed (counted as
+    ``lookup_timeouts``). One job per request: asked again with another
+    local hit (vLLM's prefix cache changes while the request waits), the
+    job is re-aimed, not repeated. A ``stat`` that hangs cannot be
+    cancelled, so a thread that has run one lookup for longer than
+    ``timeout_s`` (time in the queue does not count) is abandoned and
+    another takes over the queue: a hung filesystem costs hits, never the
+    engine's progress, and a slow one starts no extra threads.
     """
 
     def __init__(self, lookup: VineyardCacheLookup, timeout_s: float):
@@ -327,12 +335,15 @@ class BackgroundLookups:
             job = self._queue.get()
             if job is None:
                 return
+            if job.cancelled:
+                continue
             with self._lock:
+                job.started_at = time.monotonic()
                 self._busy[me] = job
             try:
-                job.result = self._lookup.find(
-                    job.digests, job.num_local_tokens, job.num_tokens
-                )
+                # From token 0: the request's local hit is taken off when
+                # the answer is given (it may change meanwhile).
+                job.result = self._lookup.find(job.digests, 0, job.num_tokens)
             except Exception as e:  # noqa: BLE001 - a miss, never a crash
                 logger.warning("vineyard cache lookup failed: %s", e)
             job.done.set()
@@ -346,7 +357,9 @@ class BackgroundLookups:
             stuck = [
                 t
                 for t, job in self._busy.items()
-                if job is not None and now - job.submitted_at > self._timeout_s
+                if job is not None
+                and job.started_at is not None
+                and now - job.started_at > self._timeout_s
             ]
             for thread in stuck:
                 del self._busy[thread]
@@ -375,11 +388,18 @@ class BackgroundLookups:
         """``(num_hit_tokens, save_from)`` of the request's lookup (see
         :meth:`VineyardCacheLookup.lookup`), or ``None`` while pending."""
         job = self._jobs.get(req_id)
-        if job is None or (job.num_local_tokens, job.num_tokens) != (
-            num_local_tokens,
+        if job is None or (job.num_tokens, len(job.digests)) != (
             num_tokens,
+            len(digests),
         ):
-            job = _LookupJob(list(digests), num_local_tokens, num_tokens)
+            # New, or the prompt grew (a preempted request's outputs): a
+            # filesystem pass is needed, by the request's first deadline.
+            if job is not None:
+                job.cancelled = True
+                deadline = job.deadline
+            else:
+                deadline = time.monotonic() + self._timeout_s
+            job = _LookupJob(list(digests), num_tokens, deadline)
             self._jobs[req_id] = job
             self._queue.put(job)
         if not job.done.is_set() and self._wait_left > 0:
@@ -387,19 +407,22 @@ class BackgroundLookups:
             job.done.wait(self._wait_left)
             self._wait_left -= time.monotonic() - start
         if job.done.is_set():
-            del self._jobs[req_id]
-            answer = job.result
-        elif time.monotonic() - job.submitted_at > self._timeout_s:
-            del self._jobs[req_id]
+            hit_end, save_from = job.result
+            answer = (max(0, hit_end - num_local_tokens), save_from)
+        elif time.monotonic() >= job.deadline:
+            job.cancelled = True
             self.metrics.add("lookup_timeouts")
             answer = (0, 0)  # a late answer is dropped (and not counted)
         else:
             return None
+        del self._jobs[req_id]
         self._lookup.count(num_local_tokens, num_tokens, len(digests), answer[0])
         return answer
 
     def forget(self, req_id: str) -> None:
-        self._jobs.pop(req_id, None)
+        job = self._jobs.pop(req_id, None)
+        if job is not None:
+            job.cancelled = True  # finished: a queued pass is not needed
 
     def close(self) -> None:
         if not self._closed:

@@ -29,13 +29,17 @@ class GatedLookup:
     def __init__(self) -> None:
         self.metrics = VineyardCacheMetrics(False)
         self.held: dict[int, threading.Event] = {}
+        self.took_s: dict[int, float] = {}  # a slow (not hung) filesystem
+        self.calls = 0
 
     def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
     ) -> tuple[int, int]:
+        self.calls += 1
         gate = self.held.get(num_tokens)
         if gate is not None:
             gate.wait()
+        time.sleep(self.took_s.get(num_tokens, 0.0))
         return num_tokens - 1 - num_local_tokens, num_tokens
 
     def count(self, *args: int) -> None:
@@ -118,4 +122,70 @@ def test_a_lookup_past_its_deadline_is_a_counted_miss_and_later_ones_go_on(
     assert until_answered(lookups, "behind", 50) in ((49, 50), (0, 0))
     lookups.begin_step()
     assert until_answered(lookups, "after", 60) == (59, 60)
+    lookups.close()
+
+
+def test_a_changing_local_hit_re_aims_the_one_lookup(gated: GatedLookup) -> None:
+    """vLLM's local hit of a waiting request changes every step (a
+    sibling's chunked prefill fills its prefix cache): the request keeps its
+    one filesystem pass, and its answer is taken off its latest local hit."""
+    gated.held[400] = threading.Event()
+    lookups = make(gated, timeout_s=5.0)
+    for local in range(0, 160, 16):
+        lookups.begin_step()
+        assert lookups.lookup("moving", [], local, 400) is None
+    gated.held[400].set()
+    deadline = time.monotonic() + 10.0
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        lookups.begin_step()
+        answer = lookups.lookup("moving", [], 176, 400)
+        time.sleep(0.01)
+    assert answer == (399 - 176, 400)
+    assert gated.calls == 1
+    lookups.close()
+
+
+def test_a_changing_local_hit_is_answered_by_its_first_deadline(
+    gated: GatedLookup,
+) -> None:
+    """On a hung filesystem, a request whose local hit changes at every ask
+    is a miss once its first ask's deadline has passed: never "ask again"
+    past it, and one lookup in all."""
+    gated.held[500] = threading.Event()  # hangs until the test ends
+    lookups = make(gated, timeout_s=0.3)
+    start = time.monotonic()
+    answers = []
+    for local in range(0, 16 * 100, 16):
+        lookups.begin_step()
+        answer = lookups.lookup("hung-moving", [], local, 500)
+        answers.append((time.monotonic() - start, answer))
+        if answer is not None:
+            break
+        time.sleep(0.02)
+    waited, answer = answers[-1]
+    assert answer == (0, 0)
+    assert waited < 0.3 + 0.5  # the first deadline, with a step's slack
+    assert all(a is None for _, a in answers[:-1])
+    assert lookups.metrics.totals["lookup_timeouts"] == 1
+    assert gated.calls == 1
+
+
+def test_time_in_the_queue_is_not_stuck_time(
+    gated: GatedLookup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slow filesystem (each lookup 0.2 s, under the 0.5 s timeout) with
+    lookups queued behind each other for longer than the timeout: no thread
+    is taken for stuck, so no extra threads pile onto the slow disk."""
+    lookups = make(gated, timeout_s=0.5)
+    for n in range(10, 15):
+        gated.took_s[n] = 0.2
+        lookups.begin_step()
+        lookups.lookup(f"slow-{n}", [], 0, n)
+    deadline = time.monotonic() + 5.0
+    while gated.calls < 5 and time.monotonic() < deadline:
+        lookups.begin_step()
+        time.sleep(0.02)
+    assert gated.calls == 5
+    assert not [r for r in caplog.records if "stuck" in r.getMessage()]
     lookups.close()
