@@ -42,6 +42,9 @@ class RequestDelta:
 @dataclass
 class VineyardConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestDelta] = field(default_factory=list)
+    # reset_cache calls so far: writes issued before the last one are not
+    # reported (their files may be gone)
+    resets: int = 0
 
 
 @dataclass

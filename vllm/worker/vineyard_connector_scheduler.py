@@ -159,6 +159,7 @@ class VineyardConnectorScheduler:
             collections.OrderedDict()
         )
         self._ranks_that_cannot_load: set[int] = set()
+        self._resets = 0  # reset_cache calls (the workers follow)
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
         # Sliding-window attention: vLLM frees a running request's blocks
         # once they leave the window (and hands them to other requests).
@@ -304,7 +305,7 @@ class VineyardConnectorScheduler:
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> VineyardConnectorMetadata:
-        meta = VineyardConnectorMetadata()
+        meta = VineyardConnectorMetadata(resets=self._resets)
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
         self._lookup.begin_step()
@@ -401,6 +402,7 @@ class VineyardConnectorScheduler:
         if self._events is not None:
             self._events.removed(gone)
             self._events.removed_all()
+        self._resets += 1  # writes issued before now go unreported
         self._finished.clear()
         for state in self._requests.values():
             if state.save_from != NEVER:

@@ -70,6 +70,7 @@ class VineyardConnectorWorker:
         self._requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
         self._could_load: bool | None = None  # as last reported
+        self._resets = 0  # the scheduler's reset_cache calls, as seen
         self.start_failures = 0  # not yet reported in the stats
 
     def register_kv_caches(self, tensors: list[torch.Tensor]) -> None:
@@ -112,6 +113,9 @@ class VineyardConnectorWorker:
     def start_load_kv(self, meta: VineyardConnectorMetadata) -> None:
         if self.cache is None:  # unavailable: nothing is loaded or saved
             return
+        if meta.resets != self._resets:
+            self._resets = meta.resets
+            self.cache.forget_saved()
         self._update_requests(meta)
         for delta in meta.requests:
             if delta.load is not None:

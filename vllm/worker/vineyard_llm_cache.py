@@ -205,6 +205,7 @@ class _UpdateTask:
 
     buffer_id: int
     segments: list[_Segment]
+    generation: int = 0  # of the cache's reports when it was issued
     copy_done: torch.cuda.Event | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
@@ -422,9 +423,11 @@ class VineyardLLMCache:
 
         # Per request: (the scheduler's save_from, the next token to save).
         self._resume: dict[str, tuple[int, int]] = {}
-        # (request id, first token, end) of what each write stored (filled
-        # by the updater thread, reported by the worker).
-        self._stored: collections.deque[tuple[str, int, int]] = collections.deque()
+        # (generation, request id, first token, end) of what each write
+        # stored (filled by the updater thread, reported by the worker);
+        # writes issued before the last forget_saved go unreported.
+        self._stored: collections.deque[tuple[int, str, int, int]] = collections.deque()
+        self._generation = 0
         # Chunk files the backends removed (reported by the worker).
         self._removed_paths: collections.deque[str] = collections.deque()
         # (request id, first token) of segments whose write failed: their
@@ -566,7 +569,9 @@ class VineyardLLMCache:
             result.blocks_written += stored
             if stored:
                 end = segment.first_token + stored * bs
-                self._stored.append((segment.req_id, segment.first_token, end))
+                self._stored.append(
+                    (task.generation, segment.req_id, segment.first_token, end)
+                )
             if error is not None:
                 result.write_error = error
             else:
@@ -866,7 +871,7 @@ class VineyardLLMCache:
         staging = self._pool.buffer(buffer_id)[: len(src_blocks)]
         copy_done = self._kv.gather(src_blocks, staging)
         # The updater waits for an asynchronous (CUDA) copy before writing.
-        task = _UpdateTask(buffer_id, segments, copy_done)
+        task = _UpdateTask(buffer_id, segments, self._generation, copy_done)
         assert self._updater is not None
         self._updater.submit(task)
         self.metrics.observe("save_caller_s", time.perf_counter() - t0)
@@ -880,8 +885,19 @@ class VineyardLLMCache:
         stored since the last call, in write order."""
         stored = []
         while self._stored:
-            stored.append(self._stored.popleft())
+            generation, req_id, begin, end = self._stored.popleft()
+            if generation == self._generation:
+                stored.append((req_id, begin, end))
         return stored
+
+    def forget_saved(self) -> None:
+        """The root was reset (its chunk files removed): every request saves
+        again from the scheduler's ``save_from``, and what writes issued
+        before now store is never reported (a file that such a write
+        published may have been removed after it), so nothing is announced
+        for a file that is gone."""
+        self._generation += 1
+        self._resume.clear()
 
     def take_removed_paths(self) -> list[str]:
         """Chunk files removed from the root since the last call (by this

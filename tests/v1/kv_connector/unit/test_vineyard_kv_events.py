@@ -14,13 +14,16 @@ vLLM's own events for the same prompt, over ZMQ, is tested with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vineyard_scheduler_testing import (
     BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
     Engine,
     FakeWorker,
     create_request,
@@ -29,6 +32,7 @@ from vineyard_scheduler_testing import (
     make_model_dir,
     random_tokens,
 )
+from vineyard_testing import resume_processes
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_STORAGE,
@@ -44,12 +48,16 @@ pytestmark = pytest.mark.timeout(120)
 class Published:
     """What the scheduler publishes (instead of a ZMQ socket)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_event: Callable[[Any], None] | None = None):
         self.events: list[Any] = []
+        self._on_event = on_event
         engine.scheduler.kv_event_publisher.publish = self._publish
 
     def _publish(self, batch: KVEventBatch) -> None:
         self.events.extend(batch.events)
+        for event in batch.events:
+            if self._on_event is not None:
+                self._on_event(event)
 
     def stored(self) -> list[BlockStored]:
         return [
@@ -108,3 +116,58 @@ def test_saved_blocks_are_announced_then_their_eviction(
     # The sweeper evicts the chunks; the next reports say so.
     engine.run_until(lambda _: published.removed() == set(hashes), pause_s=0.05)
     assert engine.counter("evicted_chunks") >= 4
+
+
+def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
+    """A write lands, then ``reset_cache`` removes its files before the
+    worker reports it: the late report announces nothing (the files are
+    gone). The request saves again; those blocks are announced once their
+    files exist. Every announcement is checked against the root when it is
+    published."""
+    model = make_model_dir(tmp_path / "model")
+    config = create_vllm_config(model, tmp_path / "root")
+    config.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="null"
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    prompt = random_tokens(MAX_NUM_BATCHED_TOKENS + 2 * BLOCK_SIZE)
+    request = create_request("reset", prompt, max_tokens=3 * BLOCK_SIZE)
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    missing: list[int] = []
+
+    def check(event: Any) -> None:
+        if isinstance(event, BlockStored) and event.medium == MEDIUM_STORAGE:
+            # Blocks of generated tokens too: the request as it is now.
+            live = [maybe_convert_block_hash(h) for h in request.block_hashes]
+            tokens = list(request.all_token_ids)
+            for h in event.block_hashes:
+                if not os.path.exists(worker.chunk_path(tokens, live.index(h))):
+                    missing.append(live.index(h))
+
+    published = Published(engine, check)
+    writer = worker.cache.backend_pids()["write"]
+    assert writer is not None
+    try:
+        engine.add(request)
+        engine.step()  # the first blocks' save is issued ...
+        worker.wait_for_writes()  # ... and lands, not yet reported
+        first = MAX_NUM_BATCHED_TOKENS // BLOCK_SIZE
+        assert all(os.path.exists(worker.chunk_path(prompt, b)) for b in range(first))
+        # The saves issued from now on wait until the reset's aftermath is seen.
+        os.kill(writer, signal.SIGSTOP)
+        assert engine.scheduler.reset_connector_cache()
+        assert not os.path.exists(worker.chunk_path(prompt, 0))
+        for _ in range(4):
+            engine.step()  # the late report of the landed write arrives
+        assert published.stored() == []
+    finally:
+        resume_processes([writer])
+    engine.drain()
+    worker.wait_for_writes()
+    engine.run_until(lambda _: len(published.stored()) > 0, pause_s=0.05)
+    assert missing == []
+    announced = [h for e in published.stored() for h in e.block_hashes]
+    assert announced[:first] == hashes[:first]
+    engine.close()
+    worker.close()
