@@ -16,7 +16,9 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
+import psutil
 from vineyard_cache_testing import (
     CHUNK_SIZE,
     CacheFactory,
@@ -28,6 +30,13 @@ from vineyard_cache_testing import (
     stop_process,
 )
 from vineyard_testing import wait_until
+
+from vllm.worker.vineyard_backend_process import (
+    CLOSE_WAIT_S,
+    BackendError,
+    BackendProcess,
+    BackendSpec,
+)
 
 SEQ_LEN = 4 * CHUNK_SIZE + 3
 CACHED = 4 * CHUNK_SIZE
@@ -276,3 +285,49 @@ def test_backends_load_only_vineyards_kv_cache(small_cache: CacheHarness):
         assert "_llm_C" in mapped, kind
         for heavy in ("pyarrow", "pandas", "torch/_C", "libtorch", "vineyard/_C."):
             assert heavy not in mapped, (kind, heavy)
+
+
+def _starting_backends() -> list[psutil.Process]:
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if any(arg.endswith("vineyard_backend.py") for arg in child.cmdline())
+    ]
+
+
+def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
+    """A backend that does not get ready (here: stopped before its first
+    run; for real, hung on a dead filesystem) while another thread waits for
+    it (a restart) holding the handle: close() kills it, process group and
+    all, and returns within seconds, not after the startup timeout."""
+    spec = BackendSpec(
+        root=str(tmp_path / "namespace"),
+        blocks_per_chunk=1,
+        entry_bytes=256,
+        max_blocks=4,
+        num_buffers=1,
+    )
+    shm = os.memfd_create("vineyard-test")
+    os.ftruncate(shm, spec.buffer_bytes)
+    before = {p.pid for p in _starting_backends()}
+    backend = BackendProcess("write", spec, shm, 5.0, startup_timeout_s=60, wait=False)
+    (proc,) = [p for p in _starting_backends() if p.pid not in before]
+    proc.suspend()
+    failed: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            backend.wait_ready()
+        except BackendError as e:
+            failed.append(e)
+
+    waiter = threading.Thread(target=restart)
+    waiter.start()
+    time.sleep(0.5)  # it holds the handle, waiting for the backend
+    start = time.monotonic()
+    backend.close()
+    assert time.monotonic() - start < CLOSE_WAIT_S + 2.0
+    waiter.join(5.0)
+    assert not waiter.is_alive() and failed
+    assert wait_until(lambda: not psutil.pid_exists(proc.pid), 5.0)
+    os.close(shm)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +32,12 @@ logger = logging.getLogger(__name__)
 BACKEND_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "vineyard_backend.py"
 )
+
+
+#: Longest close() waits for a call or start that holds the handle after
+#: the process was killed (a kill ends them at once unless the process is
+#: stuck in the kernel, e.g. on a dead filesystem).
+CLOSE_WAIT_S = 5.0
 
 
 class BackendError(RuntimeError):
@@ -203,7 +210,6 @@ class BackendProcess:
     def _await_ready_locked(self) -> None:
         assert self._starting is not None
         proc, conn = self._starting
-        self._starting = None
         try:
             if not conn.poll(self._startup_timeout_s):
                 raise BackendError(
@@ -224,6 +230,9 @@ class BackendProcess:
             conn.close()
             self._reap(proc)
             raise
+        finally:
+            # Set while it starts: close() kills it from another thread.
+            self._starting = None
         self._proc, self._conn = proc, conn
 
     @staticmethod
@@ -377,12 +386,27 @@ class BackendProcess:
         return self.receive(timeout_s)
 
     def close(self) -> None:
+        """Stop the process, bounded whatever it is doing (starting,
+        restarting, hung in the kernel on a dead filesystem)."""
         self._closed = True
-        # Kill first, without the lock: a call in flight then fails at once
-        # instead of holding the lock until its timeout.
+        # Kill first, without the lock: a call in flight, or a start or
+        # restart waiting for readiness, then fails at once instead of
+        # holding the lock until its timeout. The whole process group: what
+        # the backend started goes too.
         starting = self._starting
         for proc in (self._proc, starting[0] if starting else None):
             if proc is not None and proc.poll() is None:
-                proc.kill()
-        with self._lock:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
+            logger.warning(
+                "%s vineyard backend still busy %.0f s after it was killed "
+                "(hung in the kernel?): abandoned",
+                self.name,
+                CLOSE_WAIT_S,
+            )
+            return
+        try:
             self._stop_locked()
+        finally:
+            self._lock.release()
