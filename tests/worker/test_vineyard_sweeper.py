@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from vineyard_disk_testing import (
@@ -905,3 +906,45 @@ def test_a_folder_swapped_for_a_link_while_sweeps_run(tmp_path: Path) -> None:
         racer.join(5)
     assert swaps > 40 and evicted > 0
     assert all(v.exists() for v in victims)
+
+
+@contextlib.contextmanager
+def clock_off_by(seconds: float) -> Iterator[None]:
+    """Run as a host whose wall clock is ``seconds`` off."""
+    real = time.time
+    with mock.patch.object(sweeper_module.time, "time", lambda: real() + seconds):
+        yield
+
+
+@pytest.mark.parametrize("skew_s", [600.0, -600.0], ids=["ahead", "behind"])
+def test_hosts_ten_minutes_apart_run_no_extra_passes(
+    tmp_path: Path, skew_s: float
+) -> None:
+    """Two hosts whose clocks are 10 minutes apart share a root with a tight
+    budget and 60 s sweeps: the ledger one host stamps is fresh to the other
+    (freshness is watched on each host's own clock, never compared), so
+    writes that fit run no pass on either host; a write that needs room
+    still runs one, evicts, and the budget holds."""
+    now = time.time()
+    for i in range(6):
+        put_file(chunk_path(tmp_path, i), now - 1000 + i)
+    limit = 10 * CHUNK_BYTES
+    here = RootSweeper(str(tmp_path), limit, 0.0, 60.0)
+    there = RootSweeper(str(tmp_path), limit, 0.0, 60.0)
+    with clock_off_by(skew_s):
+        assert there.sweep()  # 6 chunks, stamped by the other clock
+    for i in range(3):
+        assert not here.make_room(CHUNK_BYTES)
+        put_file(chunk_path(tmp_path, 100 + i), now)
+        here.wrote(CHUNK_BYTES)
+    with clock_off_by(skew_s):
+        assert not there.make_room(CHUNK_BYTES)  # 10: exactly the limit
+        put_file(chunk_path(tmp_path, 200), now)
+        there.wrote(CHUNK_BYTES)
+    assert here.writer_passes == there.writer_passes == 0
+    assert here.make_room(2 * CHUNK_BYTES)  # 12 would pass it: one pass
+    assert here.take_stats()["evicted_chunks"] > 0
+    assert len(chunk_files(tmp_path)) <= 10
+    with clock_off_by(skew_s):
+        assert not there.make_room(CHUNK_BYTES)  # fits by the new ledger
+    assert here.writer_passes == 1 and there.writer_passes == 0

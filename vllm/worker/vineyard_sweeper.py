@@ -201,6 +201,11 @@ class RootSweeper:
         self._ledger_retry_at = 0.0
         self._ledger_warned = False
         self._usage_here = root_files.Usage()
+        # The ledger's sweep count as this process last saw it, and when
+        # (its own clock) it saw it change: how fresh the ledger is, judged
+        # without comparing this host's clock with another's.
+        self._epoch_seen = -1
+        self._epoch_changed_at = 0.0
         self._reservation = (-1, 0)  # epoch, bytes: make_room's last
         self.passes = 0
         self.skipped_sweeps = 0  # another process held the root's lock
@@ -246,7 +251,8 @@ class RootSweeper:
             return False
         with self._usage() as usage:
             stamp, base, chunks = usage.stamp, usage.base, usage.chunks
-        if not (stamp > 0 and abs(time.time() - stamp) < self.interval_s):
+            unchanged_s = self._unchanged_s(usage)
+        if not (stamp > 0 and unchanged_s < self.interval_s):
             return False
         with self._lock:
             self.root_bytes, self.root_chunks = base, chunks
@@ -337,10 +343,9 @@ class RootSweeper:
         """Add ``nbytes`` to the root's pending usage if they fit under the
         limit by a recent sweep's measure (or ``force``); whether added."""
         with self._usage() as usage:
-            age_s = time.time() - usage.stamp
             fits = (
                 usage.stamp > 0
-                and abs(age_s) <= 2 * self.interval_s  # hosts' clocks differ
+                and self._unchanged_s(usage) <= 2 * self.interval_s
                 and usage.base + usage.pending + nbytes <= self.limit_bytes
             )
             if not (fits or force):
@@ -348,6 +353,18 @@ class RootSweeper:
             usage.pending += nbytes
             self._reservation = (usage.epoch, nbytes)
             return True
+
+    def _unchanged_s(self, usage: root_files.Usage) -> float:
+        """How long the ledger has gone without a sweep, by this process's
+        own clock: it watches the sweep count change, and never compares
+        its clock with the stamp another host wrote (hosts' clocks may be
+        minutes apart). A ledger first seen counts as fresh: if nobody
+        sweeps it, this process's own sweep comes within an interval."""
+        now = time.monotonic()
+        if usage.epoch != self._epoch_seen:
+            self._epoch_seen = usage.epoch
+            self._epoch_changed_at = now
+        return now - self._epoch_changed_at
 
     @contextlib.contextmanager
     def _usage(self) -> Iterator[root_files.Usage]:
@@ -500,6 +517,7 @@ class RootSweeper:
             usage.pending = max(0, usage.pending - pending)
             usage.epoch += 1
             usage.stamp = time.time()
+            self._unchanged_s(usage)  # seen now
         self.passes += 1
         self._last_pass = time.monotonic()
 
