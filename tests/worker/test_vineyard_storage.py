@@ -330,12 +330,7 @@ def test_a_path_collision_of_same_size_files_leaves_the_owners_file(
     src, _, files = _save_both(h, mine, other, collisions=1)
 
     assert h.lookup(other) == (CHUNK_SIZE, CHUNK_SIZE)
-    before = h.kv.clone()
-    assert h.load(other, 0, CHUNK_SIZE, h.blocks_for(DST, len(other))) == 0
-    assert same_bits(h.kv, before)
-    counters = h.counters()
-    assert counters["path_collisions"] == 1
-    assert counters["corrupt_chunks"] == 0
+    _load_misses_at_a_collision(h, other)
     _owner_keeps(h, mine, src, files)
 
 
@@ -367,6 +362,18 @@ def test_a_path_collision_across_lengths_leaves_the_owners_file(
     _owner_keeps(h, mine, src, files)
 
 
+def _load_misses_at_a_collision(h: CacheHarness, other: list[int]) -> dict[str, int]:
+    """``other``'s load of its first chunk, whose file is another prompt's:
+    nothing is loaded, one collision is counted and no corrupt chunk."""
+    before = h.kv.clone()
+    assert h.load(other, 0, CHUNK_SIZE, h.blocks_for(DST, len(other))) == 0
+    assert same_bits(h.kv, before)
+    counters = h.counters()
+    assert counters["path_collisions"] == 1
+    assert counters["corrupt_chunks"] == 0
+    return counters
+
+
 def test_an_id_collision_leaves_the_owners_file(
     make_cache: CacheFactory, id_collision: list[list[int]]
 ):
@@ -383,12 +390,7 @@ def test_an_id_collision_leaves_the_owners_file(
     src, _, files = _save_both(h, mine, other, collisions=0)
 
     assert h.lookup(other) == (CHUNK_SIZE, CHUNK_SIZE)
-    before = h.kv.clone()
-    assert h.load(other, 0, CHUNK_SIZE, h.blocks_for(DST, len(other))) == 0
-    assert same_bits(h.kv, before)
-    counters = h.counters()
-    assert counters["path_collisions"] == 1
-    assert counters["corrupt_chunks"] == 0
+    counters = _load_misses_at_a_collision(h, other)
     assert counters["bytes_read"] > 0  # vineyard did hand the chunk over
     _owner_keeps(h, mine, src, files)
 
