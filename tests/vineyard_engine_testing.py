@@ -445,8 +445,8 @@ def _pending_updates(metrics: Mapping[str, Any]) -> int:
 
 def _backends(kind: str | None = None) -> list[Any]:
     """The vineyard backend processes below this one (the workers' readers
-    and writers); ``kind`` "write" or "read" picks by their spec: the
-    writer is the one that sweeps the root."""
+    and writers, not the scheduler's lookup processes); ``kind`` "write" or
+    "read" picks by their spec: the writer is the one that sweeps the root."""
     import psutil
 
     found = []
@@ -457,13 +457,14 @@ def _backends(kind: str | None = None) -> list[Any]:
             continue
         if not any(arg.endswith(_BACKEND_SCRIPT) for arg in cmdline):
             continue
-        if kind is not None:
-            try:
-                spec = json.loads(cmdline[cmdline.index("--spec") + 1])
-            except (ValueError, IndexError):
-                continue
-            if bool(spec.get("sweep")) != (kind == "write"):
-                continue
+        try:
+            spec = json.loads(cmdline[cmdline.index("--spec") + 1])
+        except (ValueError, IndexError):
+            continue
+        if spec.get("role") == "lookup":
+            continue  # the scheduler's, not a worker's
+        if kind is not None and bool(spec.get("sweep")) != (kind == "write"):
+            continue
         found.append(child)
     return found
 

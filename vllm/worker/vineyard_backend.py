@@ -36,10 +36,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 if __package__:
+    from vllm.worker import vineyard_root as root_format
     from vllm.worker import vineyard_store as store
     from vllm.worker import vineyard_sweeper as sweeper
     from vllm.worker.vineyard_backend_process import BackendSpec
 else:  # run as the backend's script: import the siblings, not vLLM
+    import vineyard_root as root_format  # type: ignore[no-redef]
     import vineyard_store as store  # type: ignore[no-redef]
     import vineyard_sweeper as sweeper  # type: ignore[no-redef]
     from vineyard_backend_process import BackendSpec  # type: ignore[no-redef]
@@ -466,6 +468,31 @@ class _VineyardServer:
         raise ValueError(f"unknown backend request {op!r}")
 
 
+class _LookupServer:
+    """The scheduler's lookups, by ``stat`` of chunk files (no vineyard, no
+    KV read): in a process of their own, so that a lookup stuck on a hung
+    root holds up no process that vLLM waits for at shutdown."""
+
+    def __init__(self, spec: BackendSpec):
+        self._rank_files = [
+            store.ChunkFiles(root, spec.blocks_per_chunk, spec.entry_bytes)
+            for root in spec.lookup_roots
+        ]
+        self._log = store.LogLimiter(logger)
+
+    def handle(self, request: tuple[Any, ...]) -> Any:
+        op = request[0]
+        if op == "lookup":
+            counts: dict[str, int] = {}
+            cached = root_format.count_cached_chunks(
+                self._rank_files, request[1], request[2], counts, self._log
+            )
+            return {"cached": cached, "stats": counts}
+        if op == "ping":
+            return os.getpid()
+        raise ValueError(f"unknown lookup request {op!r}")
+
+
 def _widen_affinity(parent_cpus: list[int]) -> None:
     """vLLM's CPU worker pins itself (and so its children) to its OpenMP
     cores; run the backend on the other cores so it does not compete with
@@ -504,9 +531,13 @@ def _serve(argv: list[str]) -> int:
 
     spec = BackendSpec(**json.loads(args.spec))
     conn = Connection(args.conn_fd)
-    shm = mmap.mmap(args.shm_fd, spec.num_buffers * spec.buffer_bytes)
+    server: _VineyardServer | _LookupServer
     try:
-        server = _VineyardServer(spec, shm)
+        if spec.role == "lookup":
+            server = _LookupServer(spec)
+        else:
+            shm = mmap.mmap(args.shm_fd, spec.num_buffers * spec.buffer_bytes)
+            server = _VineyardServer(spec, shm)
     except Exception as e:  # report why we cannot serve, then exit
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return 1

@@ -65,6 +65,11 @@ class BackendSpec:
     disk_limit_bytes: int = 0
     ttl_s: float = 0.0
     sweep_interval_s: float = 30.0
+    # "lookup": the scheduler's lookups (by stat, of every TP rank's
+    # namespace in ``lookup_roots``), in a process that can be abandoned
+    # when the root hangs; no vineyard, no buffers.
+    role: str = "cache"
+    lookup_roots: tuple[str, ...] = ()
 
     @property
     def buffer_bytes(self) -> int:
@@ -88,7 +93,7 @@ class BackendProcess:
         self,
         name: str,
         spec: BackendSpec,
-        shm_fd: int,
+        shm_fd: int | None,
         timeout_s: float,
         max_restarts: int = 3,
         startup_timeout_s: float = 60.0,
@@ -96,6 +101,7 @@ class BackendProcess:
         wait: bool = True,
         restart_in_background: bool = False,
         restart_window_s: float = 600.0,
+        exit_wait_s: float = 2.0,
     ):
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel)."""
@@ -117,6 +123,9 @@ class BackendProcess:
         # Spawned, not yet ready (see ``wait``).
         self._starting: tuple[subprocess.Popen[bytes], Connection] | None = None
         self._restart_window_s = restart_window_s
+        # How long a killed process is waited for (one stuck in the kernel
+        # is then left to exit by itself).
+        self._exit_wait_s = exit_wait_s
         self._recent_restarts: collections.deque[float] = collections.deque()
         self.restarts = 0  # in the process's lifetime (for the metrics)
         self._disabled: tuple[str, float] | None = None  # why, since when
@@ -182,7 +191,7 @@ class BackendProcess:
             "--conn-fd",
             str(child_sock.fileno()),
             "--shm-fd",
-            str(self._shm_fd),
+            str(-1 if self._shm_fd is None else self._shm_fd),
             "--spec",
             json.dumps(asdict(self._spec)),
             "--parent-cpus",
@@ -193,7 +202,9 @@ class BackendProcess:
         try:
             proc = subprocess.Popen(
                 cmd,
-                pass_fds=(child_sock.fileno(), self._shm_fd),
+                pass_fds=tuple(
+                    fd for fd in (child_sock.fileno(), self._shm_fd) if fd is not None
+                ),
                 stdin=subprocess.DEVNULL,
                 env=env,
                 # Own process group: a terminal's Ctrl-C goes to vLLM, which
@@ -235,12 +246,11 @@ class BackendProcess:
             self._starting = None
         self._proc, self._conn = proc, conn
 
-    @staticmethod
-    def _reap(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
             proc.kill()
         try:
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=self._exit_wait_s)
         except subprocess.TimeoutExpired:
             logger.warning("vineyard backend pid %d did not exit", proc.pid)
 

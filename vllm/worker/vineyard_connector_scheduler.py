@@ -191,7 +191,8 @@ class VineyardConnectorScheduler:
             layouts.append(handshake.layout)
         self._namespaces = [layout.namespace for layout in layouts]
         self._lookup = BackgroundLookups(
-            VineyardCacheLookup(self.config, layouts), self.config.lookup_timeout_s
+            VineyardCacheLookup(self.config, layouts, in_process=False),
+            self.config.lookup_timeout_s,
         )
         if self._publish_events:
             self._events = StorageEvents(

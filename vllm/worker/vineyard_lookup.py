@@ -13,15 +13,19 @@ import logging
 import os
 import queue
 import re
-import stat
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm.worker.vineyard_backend_process import (
+    BackendError,
+    BackendProcess,
+    BackendSpec,
+)
 from vllm.worker.vineyard_config import VineyardLLMCacheConfig
 from vllm.worker.vineyard_metrics import VineyardCacheMetrics
-from vllm.worker.vineyard_root import remove_file
+from vllm.worker.vineyard_root import count_cached_chunks
 from vllm.worker.vineyard_store import (
     FORMAT_VERSION,
     TRAILER_BYTES,
@@ -179,17 +183,33 @@ class VineyardCacheLookup:
     shards), so the answer is the minimum across ranks. A file that is there
     but turns out bad is caught by the worker's verification, and vLLM
     recomputes from there.
+
+    With ``in_process=False`` (the scheduler's) the ``stat`` calls run in a
+    lookup process per calling thread (:class:`BackendProcess`, role
+    ``lookup``): a thread waits for it at most ``lookup_timeout_s``, on a
+    socket, never in the filesystem, so a hung root cannot keep the
+    scheduler's process from exiting; a process that does not answer is
+    killed and abandoned (it exits when the filesystem answers).
     """
 
     def __init__(
-        self, config: VineyardLLMCacheConfig, layouts: Sequence[KVCacheLayout]
+        self,
+        config: VineyardLLMCacheConfig,
+        layouts: Sequence[KVCacheLayout],
+        in_process: bool = True,
     ):
         assert layouts, "one layout per TP rank"
+        self.config = config
         self.chunk_size = layouts[0].chunk_size
         self.block_size = layouts[0].block_size
         self._files = [layout.files(config.root) for layout in layouts]
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
         self._log = LogLimiter(logger)
+        self._in_process = in_process
+        self._processes = threading.local()
+        self._started: list[BackendProcess] = []
+        self._started_lock = threading.Lock()
+        self._closed = False
 
     def lookup(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
@@ -207,6 +227,39 @@ class VineyardCacheLookup:
         self.count(num_local_tokens, num_tokens, len(digests), num_hit)
         return num_hit, save_from
 
+    def _process(self) -> BackendProcess:
+        """This thread's lookup process (started on its first lookup)."""
+        process: BackendProcess | None = getattr(self._processes, "process", None)
+        if process is None:
+            files = self._files[0]
+            spec = BackendSpec(
+                root=files.root,
+                blocks_per_chunk=files.blocks_per_chunk,
+                entry_bytes=files.entry_bytes,
+                max_blocks=0,
+                num_buffers=0,
+                role="lookup",
+                lookup_roots=tuple(f.root for f in self._files),
+            )
+            process = BackendProcess(
+                "lookup", spec, None, self.config.lookup_timeout_s, exit_wait_s=0.1
+            )
+            with self._started_lock:
+                if self._closed:
+                    process.close()
+                    raise BackendError("lookups are closed")
+                self._started.append(process)
+            self._processes.process = process
+        return process
+
+    def close(self) -> None:
+        """Stop the lookup processes (killed, never waited for)."""
+        with self._started_lock:
+            self._closed = True
+            started, self._started = self._started, []
+        for process in started:
+            process.close()
+
     def count(
         self, num_local_tokens: int, num_tokens: int, num_digests: int, num_hit: int
     ) -> None:
@@ -215,46 +268,6 @@ class VineyardCacheLookup:
         query = max(0, want_blocks * self.block_size - num_local_tokens)
         self.metrics.add("query_tokens", query)
         self.metrics.add("hit_tokens", num_hit)
-
-    def _remove_if_damaged(self, files: ChunkFiles, ids: Sequence[int]) -> None:
-        """A regular file where the lookup stopped, of neither vineyard's
-        placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
-        renames whole chunks into place, so no write is ever seen half
-        done): remove it, so that the next save writes the chunk again
-        (vineyard keeps a file it finds at a chunk's path). Unless it is
-        another prefix's chunk whose ids hash to the same path: that one is
-        valid, and left to its prefix."""
-        path = files.path(ids)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return  # missing: the common miss
-        if not stat.S_ISREG(st.st_mode) or st.st_size in (
-            0,
-            files.file_bytes(len(ids)),
-        ):
-            return
-        try:
-            collision = files.holds_other_prefix(ids)
-        except OSError:
-            return  # cannot be read now: not known to be bad
-        if collision:
-            self.metrics.add("path_collisions")
-            self._log.warning(
-                "collision",
-                "vineyard cache chunk of another prefix at this prefix's path "
-                "(a hash collision; left in place, the tokens are recomputed): %s",
-                path,
-            )
-        elif remove_file(files.root, path, st.st_ino):
-            self.metrics.add("corrupt_chunks")
-            logger.warning(
-                "vineyard cache chunk of the wrong size (%d bytes, not %d) was "
-                "removed; it is written again by the next save: %s",
-                st.st_size,
-                files.file_bytes(len(ids)),
-                path,
-            )
 
     def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
@@ -267,13 +280,17 @@ class VineyardCacheLookup:
         # prompt holds whole can be looked up.
         max_chunks = min(-(-want_blocks // bpc), len(digests) // bpc)
         ids = synthetic_ids(digests[: max_chunks * bpc])
-        cached = max_chunks
-        for files in self._files:
-            found = files.count_complete(ids, cached)
-            self.metrics.add("lookup_stats", min(found + 1, cached))
-            if found < cached:
-                self._remove_if_damaged(files, ids[: (found + 1) * bpc])
-            cached = found
+        if self._in_process:
+            counts: dict[str, int] = {}
+            cached = count_cached_chunks(
+                self._files, ids, max_chunks, counts, self._log
+            )
+        else:
+            reply = self._process().call(
+                "lookup", ids, max_chunks, timeout_s=self.config.lookup_timeout_s
+            )
+            cached, counts = reply["cached"], reply["stats"]
+        self.metrics.record(counts)
         hit_end = min(cached * bpc, want_blocks) * bs
         return max(0, hit_end - num_local_tokens), cached * self.chunk_size
 
@@ -317,6 +334,7 @@ class BackgroundLookups:
         self._busy: dict[threading.Thread, _LookupJob | None] = {}
         self._abandoned: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._log = LogLimiter(logger)
         self._wait_left = STEP_WAIT_S
         self._closed = False
         self._start_thread()
@@ -345,7 +363,9 @@ class BackgroundLookups:
                 # the answer is given (it may change meanwhile).
                 job.result = self._lookup.find(job.digests, 0, job.num_tokens)
             except Exception as e:  # noqa: BLE001 - a miss, never a crash
-                logger.warning("vineyard cache lookup failed: %s", e)
+                self._log.warning(
+                    "failed", "vineyard cache lookup failed (a miss): %s", e
+                )
             job.done.set()
             with self._lock:
                 self._busy[me] = None
@@ -431,3 +451,4 @@ class BackgroundLookups:
                 count = len(self._busy)
             for _ in range(count):
                 self._queue.put(None)
+            self._lookup.close()

@@ -735,6 +735,77 @@ def remove_dir(root: str, path: str) -> bool:
 
 
 # --------------------------------------------------------------------------
+# Lookups (by the scheduler's lookup process, or in-process).
+# --------------------------------------------------------------------------
+
+
+def count_cached_chunks(
+    rank_files: list[store.ChunkFiles],
+    ids: list[int],
+    max_chunks: int,
+    counts: dict[str, int],
+    log: store.LogLimiter,
+) -> int:
+    """How many leading chunks of ``ids`` (up to ``max_chunks``) every
+    rank's namespace holds whole, by ``stat`` alone (the minimum over
+    ranks). Adds to ``counts``: ``lookup_stats``, and ``corrupt_chunks`` or
+    ``path_collisions`` for a file where a rank's lookup stopped (see
+    :func:`_remove_if_damaged`)."""
+    bpc = rank_files[0].blocks_per_chunk if rank_files else 1
+    cached = max_chunks
+    for files in rank_files:
+        found = files.count_complete(ids, cached)
+        counts["lookup_stats"] = counts.get("lookup_stats", 0) + min(found + 1, cached)
+        if found < cached:
+            _remove_if_damaged(files, ids[: (found + 1) * bpc], counts, log)
+        cached = found
+    return cached
+
+
+def _remove_if_damaged(
+    files: store.ChunkFiles,
+    ids: list[int],
+    counts: dict[str, int],
+    log: store.LogLimiter,
+) -> None:
+    """A regular file where a lookup stopped, of neither vineyard's
+    placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
+    renames whole chunks into place, so no write is ever seen half done):
+    remove it, so that the next save writes the chunk again (vineyard keeps
+    a file it finds at a chunk's path). Unless it is another prefix's chunk
+    whose ids hash to the same path: that one is valid, and left alone."""
+    path = files.path(ids)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return  # missing: the common miss
+    if not stat.S_ISREG(st.st_mode) or st.st_size in (0, files.file_bytes(len(ids))):
+        return
+    try:
+        collision = files.holds_other_prefix(ids)
+    except OSError:
+        return  # cannot be read now: not known to be bad
+    if collision:
+        counts["path_collisions"] = counts.get("path_collisions", 0) + 1
+        log.warning(
+            "collision",
+            "vineyard cache chunk of another prefix at this prefix's path "
+            "(a hash collision; left in place, the tokens are recomputed): %s",
+            path,
+        )
+    elif remove_file(files.root, path, st.st_ino):
+        counts["corrupt_chunks"] = counts.get("corrupt_chunks", 0) + 1
+        log.warning(
+            "wrong-size",
+            "vineyard cache chunk of the wrong size (%d bytes, not %d) was "
+            "removed; it is written again by the next save: %s",
+            st.st_size,
+            files.file_bytes(len(ids)),
+            path,
+        )
+
+
+# --------------------------------------------------------------------------
 # The root itself.
 # --------------------------------------------------------------------------
 

@@ -45,6 +45,9 @@ class GatedLookup:
     def count(self, *args: int) -> None:
         self.metrics.add("hit_tokens", args[-1])
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.fixture
 def gated() -> Iterator[GatedLookup]:

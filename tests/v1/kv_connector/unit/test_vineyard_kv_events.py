@@ -150,7 +150,8 @@ def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
     assert writer is not None
     try:
         engine.add(request)
-        engine.step()  # the first blocks' save is issued ...
+        # The first blocks' save is issued ...
+        engine.run_until(lambda r: r.num_scheduled(request.request_id) > 0)
         worker.wait_for_writes()  # ... and lands, not yet reported
         first = MAX_NUM_BATCHED_TOKENS // BLOCK_SIZE
         assert all(os.path.exists(worker.chunk_path(prompt, b)) for b in range(first))
