@@ -210,6 +210,14 @@ class VineyardCacheLookup:
         self._started: list[BackendProcess] = []
         self._started_lock = threading.Lock()
         self._closed = False
+        # Started now, for the first lookup thread: a request's first lookup
+        # does not wait for a process to start.
+        self._spare: BackendProcess | None = None
+        if not in_process:
+            try:
+                self._spare = self._start_process()
+            except BackendError as e:
+                logger.warning("vineyard cache lookup process did not start: %s", e)
 
     def lookup(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
@@ -231,25 +239,31 @@ class VineyardCacheLookup:
         """This thread's lookup process (started on its first lookup)."""
         process: BackendProcess | None = getattr(self._processes, "process", None)
         if process is None:
-            files = self._files[0]
-            spec = BackendSpec(
-                root=files.root,
-                blocks_per_chunk=files.blocks_per_chunk,
-                entry_bytes=files.entry_bytes,
-                max_blocks=0,
-                num_buffers=0,
-                role="lookup",
-                lookup_roots=tuple(f.root for f in self._files),
-            )
-            process = BackendProcess(
-                "lookup", spec, None, self.config.lookup_timeout_s, exit_wait_s=0.1
-            )
             with self._started_lock:
-                if self._closed:
-                    process.close()
-                    raise BackendError("lookups are closed")
-                self._started.append(process)
+                process, self._spare = self._spare, None
+            process = process or self._start_process()
             self._processes.process = process
+        return process
+
+    def _start_process(self) -> BackendProcess:
+        files = self._files[0]
+        spec = BackendSpec(
+            root=files.root,
+            blocks_per_chunk=files.blocks_per_chunk,
+            entry_bytes=files.entry_bytes,
+            max_blocks=0,
+            num_buffers=0,
+            role="lookup",
+            lookup_roots=tuple(f.root for f in self._files),
+        )
+        process = BackendProcess(
+            "lookup", spec, None, self.config.lookup_timeout_s, exit_wait_s=0.1
+        )
+        with self._started_lock:
+            if self._closed:
+                process.close()
+                raise BackendError("lookups are closed")
+            self._started.append(process)
         return process
 
     def close(self) -> None:

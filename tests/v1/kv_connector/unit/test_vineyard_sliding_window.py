@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,20 +149,24 @@ def test_retried_saves_never_gather_blocks_vllm_freed(
     reused = False
     os.kill(writer, signal.SIGSTOP)
     try:
-        for _ in range(40):
+        # Until both run on with a block reused, or one of them finishes
+        # (their lookups are answered in the background first: steps pause).
+        while all(r.request_id in engine.scheduler.requests for r in reqs):
             engine.step()
             tables = [
-                [b for b in kv_manager.get_block_ids(r.request_id)[0] if b]
+                kv_manager.get_block_ids(r.request_id)[0]
                 if r.request_id in engine.scheduler.requests
                 else []
                 for r in reqs
             ]
             for mine, table in zip(held, tables, strict=True):
-                mine.update(table)
-            # A block the first request held, freed, and now the second's.
+                mine.update(b for b in table if b)
+            # A block the first request held, the window freed while it
+            # runs on, and now the second's.
             reused = reused or bool((held[0] - set(tables[0])) & set(tables[1]))
             if reused and all(r.num_output_tokens > 4 for r in reqs):
                 break
+            time.sleep(0.002)
     finally:
         resume_processes([writer])
     assert reused, "the window never handed a freed block to the other request"
