@@ -186,10 +186,11 @@ class VineyardCacheLookup:
 
     With ``in_process=False`` (the scheduler's) the ``stat`` calls run in a
     lookup process per calling thread (:class:`BackendProcess`, role
-    ``lookup``): a thread waits for it at most ``lookup_timeout_s``, on a
-    socket, never in the filesystem, so a hung root cannot keep the
-    scheduler's process from exiting; a process that does not answer is
-    killed and abandoned (it exits when the filesystem answers).
+    ``lookup``): a thread waits for it on a socket, never in the filesystem,
+    so a hung root cannot keep the scheduler's process from exiting. A
+    process that does not answer within ``backend_timeout_s`` (a slow disk
+    is only slow: the request was answered at its lookup deadline anyway)
+    is killed and abandoned (it exits when the filesystem answers).
     """
 
     def __init__(
@@ -257,7 +258,7 @@ class VineyardCacheLookup:
             lookup_roots=tuple(f.root for f in self._files),
         )
         process = BackendProcess(
-            "lookup", spec, None, self.config.lookup_timeout_s, exit_wait_s=0.1
+            "lookup", spec, None, self.config.backend_timeout_s, exit_wait_s=0.1
         )
         with self._started_lock:
             if self._closed:
@@ -301,7 +302,7 @@ class VineyardCacheLookup:
             )
         else:
             reply = self._process().call(
-                "lookup", ids, max_chunks, timeout_s=self.config.lookup_timeout_s
+                "lookup", ids, max_chunks, timeout_s=self.config.backend_timeout_s
             )
             cached, counts = reply["cached"], reply["stats"]
         self.metrics.record(counts)
