@@ -98,8 +98,11 @@ def test_no_step_waits_for_the_backend(cached: EngineRun, uncached: EngineRun) -
     # The forward thread's cost per update: a copy, not a write.
     count, total = burst.histogram("vllm:vineyard_cache_save_caller_seconds")
     assert count > 0 and total / count < 0.5
-    # Generous: the machine is shared and noisy.
-    assert burst.wall_s < 2 * uncached.last.wall_s + 10
+    # Generous: the machine is shared and noisy (another test's engine and
+    # backends on two cores slowed this one's decode fivefold once: 19.3 s
+    # against 3.6 s without the cache, with 0.66 s of saves in all). A step
+    # that waited for the stopped writer would wait the backend timeout.
+    assert burst.wall_s < 3 * uncached.last.wall_s + 30
 
 
 def test_skipped_chunks_saved_while_alive(cached: EngineRun) -> None:
