@@ -10,6 +10,9 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +25,23 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def mount_slow_fs(work: Path) -> Any:
+    """The benchmark's FUSE filesystem (``benchmarks/vineyard/slow_fs.py``, a
+    passthrough that can be slowed or frozen) mounted under ``work``; the
+    test is skipped, with the reason, where FUSE cannot mount here."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
+    from slow_fs import SlowFs, fuse_unavailable
+
+    why = fuse_unavailable()
+    if why is not None:
+        pytest.skip(f"no FUSE filesystem here: {why}")
+    try:
+        return SlowFs(work)
+    except RuntimeError as e:  # e.g. a container without FUSE permission
+        log = (work / "fuse.log").read_text()[-2000:]
+        pytest.skip(f"the FUSE filesystem did not mount here: {e}\n{log}")
 
 
 def clean_env() -> dict[str, str]:

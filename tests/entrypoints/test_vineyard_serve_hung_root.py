@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from script_testing import ROOT
+from script_testing import ROOT, mount_slow_fs
 from vineyard_serve_testing import (
     QUESTIONS,
     STARTUP_TIMEOUT_S,
@@ -34,7 +34,7 @@ from vineyard_serve_testing import (
 from vineyard_testing import engine_cpu
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
-from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
+from slow_fs import SlowFs  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -46,13 +46,7 @@ SHUTDOWN_SLACK_S = 10.0
 
 @pytest.fixture
 def slow_fs(tmp_path: Path) -> Iterator[SlowFs]:
-    why = fuse_unavailable()
-    if why is not None:
-        pytest.skip(f"no FUSE filesystem here: {why}")
-    try:
-        fs = SlowFs(tmp_path / "fs")
-    except RuntimeError as e:
-        pytest.skip(f"the FUSE filesystem did not mount here: {e}")
+    fs = mount_slow_fs(tmp_path / "fs")
     yield fs
     fs.freeze(False)
     fs.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from script_testing import ROOT
+from script_testing import ROOT, mount_slow_fs
 from vineyard_engine_testing import (
     EngineRun,
     ReferenceRunner,
@@ -32,7 +32,7 @@ from vineyard_engine_testing import (
 )
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
-from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
+from slow_fs import SlowFs  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -45,14 +45,7 @@ FROZEN_ROUND_BOUND_S = 60.0
 
 @pytest.fixture(scope="module")
 def slow_fs(module_dir: Path) -> Iterator[SlowFs]:
-    why = fuse_unavailable()
-    if why is not None:
-        pytest.skip(f"no FUSE filesystem here: {why}")
-    try:
-        fs = SlowFs(module_dir / "fs")
-    except RuntimeError as e:  # e.g. a container without FUSE permission
-        log = (module_dir / "fs" / "fuse.log").read_text()[-2000:]
-        pytest.skip(f"the FUSE filesystem did not mount here: {e}\n{log}")
+    fs = mount_slow_fs(module_dir / "fs")
     yield fs
     fs.close()
 
