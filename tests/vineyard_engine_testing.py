@@ -52,6 +52,8 @@ from vineyard_testing import engine_cpu
 
 #: vLLM block size of every test engine, and the cache's chunk size: the
 #: default (``VINEYARD_CACHE_CHUNK_SIZE`` unset), one block.
+from vllm.worker.vineyard import launch
+
 BLOCK_SIZE = 64
 CHUNK_SIZE = BLOCK_SIZE
 VOCAB_SIZE = 32000
@@ -60,11 +62,11 @@ METRIC_PREFIX = "vllm:vineyard_cache_"
 VINEYARD_MODULES = (
     "vineyard",
     "vineyard.llm",
-    "vllm.worker.vineyard_connector",
+    "vllm.worker.vineyard.connector.vineyard_connector",
     "vllm.worker.vineyard_llm_cache",
-    "vllm.worker.vineyard_backend_process",
+    "vllm.worker.vineyard.backend.client",
 )
-_BACKEND_SCRIPT = "vineyard_backend.py"
+_BACKEND_COMMAND = launch.command("backend")[1:]
 _FLUSH_PROMPT = [7]  # shorter than a block: nothing to look up or save
 #: Longest orderly engine shutdown (drain timeout, 5 s by default, plus
 #: stopping the backends); beyond it the engine test fails.
@@ -455,7 +457,7 @@ def _backends(kind: str | None = None) -> list[Any]:
             cmdline = child.cmdline()
         except psutil.Error:
             continue
-        if not any(arg.endswith(_BACKEND_SCRIPT) for arg in cmdline):
+        if cmdline[1:3] != _BACKEND_COMMAND:
             continue
         try:
             spec = json.loads(cmdline[cmdline.index("--spec") + 1])

@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage.chunks import extend_digests, key_id, load_auth_key
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_store import extend_digests, key_id, load_auth_key
 
 TARGET_READ_VS_READV = 1.3  # cache read time at most 1.3x readv's
 TARGET_SAVE_VS_MEMCPY = 1.2  # forward-thread save at most 1.2x one memcpy

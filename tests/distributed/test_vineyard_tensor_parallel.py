@@ -29,7 +29,11 @@ from vineyard_engine_testing import (
 )
 from vineyard_toy_model import make_toy_llama
 
-from vllm.worker.vineyard_store import ChunkFiles, extend_digests, synthetic_ids
+from vllm.worker.vineyard.storage.chunks import (
+    ChunkFiles,
+    extend_digests,
+    synthetic_ids,
+)
 
 PROMPT_LEN = 900
 LONGER_BY = 300

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm.worker.vineyard_config import ENV_VARS, VineyardLLMCacheConfig
-from vllm.worker.vineyard_metrics import (
+from vllm.worker.vineyard.config import ENV_VARS, VineyardLLMCacheConfig
+from vllm.worker.vineyard.metrics import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,

@@ -5,7 +5,7 @@
 (every panel queries Prometheus through the ``datasource`` variable, counters
 only through ``rate()``/``increase()``), and every metric it names is one
 the cache really exports: against the names in
-:mod:`vllm.worker.vineyard_metrics` (cheap), and against the live
+:mod:`vllm.worker.vineyard.metrics` (cheap), and against the live
 ``/metrics`` of ``vllm serve`` with the cache on, after two chats that share
 a document (the server of ``tests/entrypoints/test_vineyard_serve.py``).
 
@@ -36,7 +36,7 @@ from vineyard_serve_testing import (
 )
 from vineyard_testing import engine_cpu
 
-from vllm.worker.vineyard_metrics import (
+from vllm.worker.vineyard.metrics import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,

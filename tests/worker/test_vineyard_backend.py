@@ -31,12 +31,9 @@ from vineyard_cache_testing import (
 )
 from vineyard_testing import wait_until
 
-from vllm.worker.vineyard_backend_process import (
-    CLOSE_WAIT_S,
-    BackendError,
-    BackendProcess,
-    BackendSpec,
-)
+from vllm.worker.vineyard import launch
+from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
+from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
 
 SEQ_LEN = 4 * CHUNK_SIZE + 3
 CACHED = 4 * CHUNK_SIZE
@@ -291,7 +288,7 @@ def _starting_backends() -> list[psutil.Process]:
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if any(arg.endswith("vineyard_backend.py") for arg in child.cmdline())
+        if child.cmdline()[1:3] == launch.command("backend")[1:]
     ]
 
 

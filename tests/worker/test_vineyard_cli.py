@@ -30,10 +30,12 @@ from vineyard_cache_testing import (
     read_header_ids,
 )
 
-from vllm.worker import vineyard_cli
-from vllm.worker.vineyard_cli import main, parse_size
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_root import (
+from vllm.worker.vineyard import cli as vineyard_cli
+from vllm.worker.vineyard import launch
+from vllm.worker.vineyard.cli import main, parse_size
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.storage.chunks import FORMAT_VERSION
+from vllm.worker.vineyard.storage.root import (
     MANIFEST,
     is_chunk_file,
     is_namespace_name,
@@ -42,8 +44,7 @@ from vllm.worker.vineyard_root import (
     scan_root,
     write_manifest,
 )
-from vllm.worker.vineyard_store import FORMAT_VERSION
-from vllm.worker.vineyard_sweeper import RootSweeper
+from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -552,16 +553,16 @@ def console_script() -> str:
     return path
 
 
-@pytest.mark.parametrize("how", ["console-script", "module", "script-by-path"])
+@pytest.mark.parametrize("how", ["console-script", "module", "launcher"])
 def test_runs_as_installed(make_cache: CacheFactory, tmp_path: Path, how: str) -> None:
     """``vineyard-llm-cache`` is on the venv's PATH (exit codes and all),
-    and the module runs with ``-m`` and by path (without vLLM)."""
+    and the module runs with ``-m`` and through the launcher (without vLLM)."""
     h = with_manifest(make_cache())
     fill(h, 1)
     command = {
         "console-script": [console_script()],
-        "module": [sys.executable, "-m", "vllm.worker.vineyard_cli"],
-        "script-by-path": [sys.executable, vineyard_cli.__file__],
+        "module": [sys.executable, "-m", "vllm.worker.vineyard.cli"],
+        "launcher": launch.command("cli"),
     }[how]
     done = subprocess.run(
         [*command, "ls", h.config.root, "--json"],

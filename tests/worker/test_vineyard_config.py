@@ -18,14 +18,14 @@ import pytest
 import torch
 from vineyard_cache_testing import make_layout, random_kv
 
-from vllm.worker.vineyard_config import (
+from vllm.worker.vineyard.config import (
     ENV_VARS,
     VineyardLLMCacheConfig,
     env_name,
     setting_fields,
 )
+from vllm.worker.vineyard.storage.chunks import load_auth_key
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
-from vllm.worker.vineyard_store import load_auth_key
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -25,9 +25,9 @@ from vineyard_disk_testing import (
 )
 from vineyard_testing import wait_until
 
-from vllm.worker.vineyard_backend import _write_error_reason
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_sweeper import TEMP_DIR, RootSweeper
+from vllm.worker.vineyard.backend.server import _write_error_reason
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage.sweeper import TEMP_DIR, RootSweeper
 
 FS_BYTES = 1 << 20  # about 50 chunks of 16.5 KB (20 KiB on disk each)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from vineyard_testing import wait_until
 
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard_llm_cache import (
     UpdateResult,
     _AsyncUpdater,
@@ -27,7 +28,6 @@ from vllm.worker.vineyard_llm_cache import (
     _StagingMemory,
     _UpdateTask,
 )
-from vllm.worker.vineyard_metrics import VineyardCacheMetrics
 
 MAX_BLOCKS = 4
 ENTRY_BYTES = 1024  # one block of every layer plus its trailer

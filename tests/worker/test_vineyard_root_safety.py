@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from vineyard_cache_testing import CacheFactory, make_tokens
 
-from vllm.worker.vineyard_root import check_root
-from vllm.worker.vineyard_store import key_id, load_auth_key
+from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
+from vllm.worker.vineyard.storage.root import check_root
 
 SETTING = "VINEYARD_CACHE_ROOT"
 OTHER_UID = 4242

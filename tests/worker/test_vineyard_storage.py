@@ -42,16 +42,17 @@ from vineyard_cache_testing import (
     write_header_ids,
 )
 
-from vllm.worker.vineyard_lookup import VineyardCacheLookup, weights_fingerprint
-from vllm.worker.vineyard_store import (
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.log_limiter import LogLimiter
+from vllm.worker.vineyard.storage.chunks import (
     FORMAT_VERSION,
     TRAILER_BYTES,
     ChunkFiles,
-    LogLimiter,
     Sealer,
     extend_digests,
     synthetic_ids,
 )
+from vllm.worker.vineyard.storage.layout import weights_fingerprint
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3

@@ -32,10 +32,12 @@ from vineyard_disk_testing import (
     open_cache,
 )
 
-from vllm.worker import vineyard_sweeper as sweeper_module
-from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import MANIFEST, scan_root, write_manifest
-from vllm.worker.vineyard_root_files import (
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage import sweeper as sweeper_module
+from vllm.worker.vineyard.storage.chunks import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.root import MANIFEST, scan_root, write_manifest
+from vllm.worker.vineyard.storage.root_files import (
     ROOT_FILES,
     ROOT_SETTINGS,
     SWEEP_LOCK,
@@ -44,8 +46,7 @@ from vllm.worker.vineyard_root_files import (
     read_root_settings,
     record_root_settings,
 )
-from vllm.worker.vineyard_store import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
-from vllm.worker.vineyard_sweeper import (
+from vllm.worker.vineyard.storage.sweeper import (
     EMPTY_DIR_MIN_AGE_S,
     HIGH_WATER,
     LOW_WATER,
@@ -54,6 +55,7 @@ from vllm.worker.vineyard_sweeper import (
     RootSweeper,
 )
 
+SWEEPER_LOGGER = sweeper_module.__name__
 CHUNK_BYTES = 8192  # two filesystem blocks: size on disk == file size
 LONG_AGO = 10_000.0
 
@@ -324,7 +326,7 @@ def test_what_is_not_the_caches_survives_every_sweep(
         os.utime(path, (old, old), follow_symlinks=False)
 
     s = RootSweeper(str(tmp_path), 1, ttl_s=1.0, interval_s=3600.0)
-    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+    with caplog.at_level(logging.WARNING, logger=SWEEPER_LOGGER):
         s.sweep(now + 10 * TEMP_MAX_AGE_S)
         s.sweep(now + 20 * TEMP_MAX_AGE_S)
     assert not any(p.exists() for p in chunks + sized)
@@ -699,7 +701,7 @@ def test_a_ledger_held_elsewhere_costs_one_wait(
     s = sweeper(tmp_path, limit_chunks=10)
     with (
         lock_held_elsewhere(tmp_path, USAGE_LEDGER),
-        caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"),
+        caplog.at_level(logging.WARNING, logger=SWEEPER_LOGGER),
     ):
         start = time.monotonic()
         assert s.make_room(CHUNK_BYTES)  # nothing measured yet: a pass
@@ -794,7 +796,7 @@ def test_the_root_settings_govern_every_sweeper(
     assert read_root_settings(str(tmp_path)) == RootSettings(100 * CHUNK_BYTES, 0.0)
 
     small = sweeper(tmp_path, limit_chunks=4, ttl_s=10.0)
-    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+    with caplog.at_level(logging.WARNING, logger=SWEEPER_LOGGER):
         small.sweep(now)
         small.sweep(now + 1)
     assert all(p.exists() for p in paths)
@@ -824,7 +826,7 @@ def test_unreadable_root_settings_leave_each_sweeper_its_own(
     with pytest.raises(ValueError, match="disk_limit_bytes"):
         read_root_settings(str(tmp_path))
     s = sweeper(tmp_path, limit_chunks=4)
-    with caplog.at_level(logging.WARNING, logger="vllm.worker.vineyard_sweeper"):
+    with caplog.at_level(logging.WARNING, logger=SWEEPER_LOGGER):
         s.sweep(now)
     assert sum(p.exists() for p in paths) <= 4
     assert "cannot use its settings" in caplog.text

@@ -31,10 +31,11 @@ from vineyard_cache_testing import (
 )
 from vineyard_testing import wait_until
 
-from vllm.worker.vineyard_backend_process import BackendError, BackendProcess
+from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.protocol import BackendError
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage.chunks import extend_digests
 from vllm.worker.vineyard_llm_cache import SaveRequest
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_store import extend_digests
 
 T = TypeVar("T")
 

@@ -25,18 +25,19 @@ from typing import Any
 import torch
 from vineyard_testing import resume_processes, wait_for_writes, wait_until
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout, VineyardCacheLookup
-from vllm.worker.vineyard_root import MANIFEST
-from vllm.worker.vineyard_root_files import ROOT_FILES
-from vllm.worker.vineyard_store import (
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage.chunks import (
     extend_digests,
     key_id,
     load_auth_key,
     synthetic_ids,
 )
-from vllm.worker.vineyard_sweeper import TEMP_DIR
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.root import MANIFEST
+from vllm.worker.vineyard.storage.root_files import ROOT_FILES
+from vllm.worker.vineyard.storage.sweeper import TEMP_DIR
+from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
 
 # A small model: fast to write, several chunks per sequence.
 NUM_LAYERS = 2

@@ -31,8 +31,12 @@ from vineyard_cache_testing import (
 )
 from vineyard_testing import wait_for_writes
 
+from vllm.worker.vineyard.storage.chunks import (
+    ChunkFiles,
+    extend_digests,
+    synthetic_ids,
+)
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
-from vllm.worker.vineyard_store import ChunkFiles, extend_digests, synthetic_ids
 
 # The small model of the cache tests (chunks of two blocks), more blocks.
 NUM_BLOCKS = 256

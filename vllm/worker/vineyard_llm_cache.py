@@ -34,17 +34,15 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard_backend_process import (
-    BackendError,
-    BackendProcess,
-    BackendSpec,
-)
-from vllm.worker.vineyard_config import GiB, VineyardLLMCacheConfig
-from vllm.worker.vineyard_kv_copy import KVBlockCopier
-from vllm.worker.vineyard_lookup import KVCacheLayout
-from vllm.worker.vineyard_metrics import VineyardCacheMetrics
-from vllm.worker.vineyard_root import check_root, write_manifest
-from vllm.worker.vineyard_store import LogLimiter, synthetic_ids
+from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
+from vllm.worker.vineyard.config import GiB, VineyardLLMCacheConfig
+from vllm.worker.vineyard.log_limiter import LogLimiter
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
+from vllm.worker.vineyard.storage.chunks import synthetic_ids
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.root import check_root, write_manifest
+from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
 
 logger = init_logger(__name__)
 

@@ -20,8 +20,8 @@ from vineyard_engine_testing import (
     standard_prompts,
 )
 
-from vllm.worker.vineyard_root import MANIFEST
-from vllm.worker.vineyard_root_files import ROOT_FILES
+from vllm.worker.vineyard.storage.root import MANIFEST
+from vllm.worker.vineyard.storage.root_files import ROOT_FILES
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

@@ -20,7 +20,7 @@ from vineyard_engine_testing import (
     run_engine,
 )
 
-from vllm.worker.vineyard_root import scan_root
+from vllm.worker.vineyard.storage.root import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -30,8 +30,8 @@ from vineyard_engine_testing import (
     saved_tokens,
 )
 
-from vllm.worker.vineyard_cli import main
-from vllm.worker.vineyard_root import scan_root
+from vllm.worker.vineyard.cli import main
+from vllm.worker.vineyard.storage.root import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

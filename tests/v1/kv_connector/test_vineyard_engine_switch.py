@@ -62,7 +62,7 @@ def test_switch_turns_cache_on(
     )
     assert "vllm:vineyard_cache_hit_tokens" in run.vineyard_metric_names()
     assert run.rounds[0].settled  # round 1's hits need round 0's writes
-    assert run.modules["vllm.worker.vineyard_connector"]
+    assert run.modules["vllm.worker.vineyard.connector.vineyard_connector"]
     assert run.rounds[1].num_cached_tokens == [
         cacheable_prefix(len(p)) for p in prompts
     ]

@@ -16,7 +16,7 @@ from vineyard_connector_testing import (
     make_worker,
 )
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,12 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from vllm.worker import vineyard_lookup
-from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
-from vllm.worker.vineyard_metrics import VineyardCacheMetrics
+from vllm.worker.vineyard.connector import lookups as vineyard_lookup
+from vllm.worker.vineyard.connector.lookups import (
+    BackgroundLookups,
+    VineyardCacheLookup,
+)
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -40,10 +40,10 @@ from vineyard_connector_testing import (
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_store import extend_digests
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
+from vllm.worker.vineyard.storage.chunks import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -415,7 +415,7 @@ def test_missing_rank_handshake_turns_the_cache_off(
 ) -> None:
     """With one of two ranks' handshakes (its cache failed to start) the
     scheduler side neither looks up nor sends anything."""
-    from vllm.worker.vineyard_connector_metadata import VineyardHandshake
+    from vllm.worker.vineyard.connector.metadata import VineyardHandshake
 
     sched = VineyardConnectorScheduler(
         config, BLOCK_SIZE, config.chunk_tokens(BLOCK_SIZE), tp_size=2

@@ -43,9 +43,9 @@ from vineyard_connector_testing import (
     tp_workers,
 )
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_store import extend_digests, synthetic_ids
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids
 
 pytestmark = pytest.mark.timeout(180)
 

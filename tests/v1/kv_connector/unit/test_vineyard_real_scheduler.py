@@ -46,9 +46,9 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from vllm.worker.vineyard_connector_metadata import VineyardConnectorMetadata
-from vllm.worker.vineyard_lookup import VineyardCacheLookup
-from vllm.worker.vineyard_store import extend_digests
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
+from vllm.worker.vineyard.storage.chunks import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -46,9 +46,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm.worker.vineyard_connector import VineyardConnector
-from vllm.worker.vineyard_connector_scheduler import NULL_BLOCK_ID
-from vllm.worker.vineyard_store import extend_digests
+from vllm.worker.vineyard.connector.scheduler import NULL_BLOCK_ID
+from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+from vllm.worker.vineyard.storage.chunks import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -35,16 +35,16 @@ from vllm.v1.core.sched.output import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_metadata import (
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
     VineyardWorkerReport,
 )
-from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
-from vllm.worker.vineyard_connector_worker import VineyardConnectorWorker
+from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
+from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -179,7 +179,7 @@ def make_scheduler(
     config: VineyardLLMCacheConfig, layouts: Sequence[KVCacheLayout]
 ) -> VineyardConnectorScheduler:
     """A scheduler side that has had every rank's handshake."""
-    from vllm.worker.vineyard_connector_metadata import VineyardHandshake
+    from vllm.worker.vineyard.connector.metadata import VineyardHandshake
 
     sched = VineyardConnectorScheduler(
         config, BLOCK_SIZE, config.chunk_tokens(BLOCK_SIZE), len(layouts)

@@ -59,14 +59,14 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm.worker.vineyard_connector import VineyardConnector
-from vllm.worker.vineyard_connector_metadata import (
+from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
 )
+from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout
-from vllm.worker.vineyard_store import extend_digests, synthetic_ids
 
 NUM_LAYERS = 2
 NUM_HEADS = 4
@@ -148,7 +148,7 @@ def create_vllm_config(
     }
     kv_transfer_config = KVTransferConfig(
         kv_connector="VineyardConnector",
-        kv_connector_module_path="vllm.worker.vineyard_connector",
+        kv_connector_module_path="vllm.worker.vineyard.connector.vineyard_connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
         kv_load_failure_policy="recompute",
@@ -320,7 +320,7 @@ class FakeWorker:
         # register_kv_caches asks vLLM's TP group for the rank: TP 1 here.
         tp1 = SimpleNamespace(world_size=1, rank_in_group=0)
         with mock.patch(
-            "vllm.worker.vineyard_connector_worker.get_tp_group", return_value=tp1
+            "vllm.worker.vineyard.connector.worker.get_tp_group", return_value=tp1
         ):
             self.connector.register_kv_caches(
                 {name: self.kv[i] for i, name in enumerate(LAYER_NAMES)}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from vllm.worker.vineyard_lookup import weights_fingerprint
+from vllm.worker.vineyard.storage.layout import weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

@@ -30,19 +30,22 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_metadata import (
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.events import StorageEvents
+from vllm.worker.vineyard.connector.lookups import (
+    BackgroundLookups,
+    VineyardCacheLookup,
+)
+from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
     VineyardHandshake,
     VineyardWorkerReport,
 )
-from vllm.worker.vineyard_events import StorageEvents
-from vllm.worker.vineyard_lookup import BackgroundLookups, VineyardCacheLookup
-from vllm.worker.vineyard_metrics import VineyardCacheMetrics
-from vllm.worker.vineyard_request_keys import RequestKeys, request_keys
-from vllm.worker.vineyard_root import remove_file, scan_root
-from vllm.worker.vineyard_store import extend_digests
+from vllm.worker.vineyard.connector.request_keys import RequestKeys, request_keys
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
+from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.storage.root import remove_file, scan_root
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

@@ -76,12 +76,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-if __package__:
-    from vllm.worker import vineyard_root as root_format
-    from vllm.worker import vineyard_root_files as root_files
-else:  # run in the backend's script: the siblings, not vLLM
-    import vineyard_root as root_format  # type: ignore[no-redef]
-    import vineyard_root_files as root_files  # type: ignore[no-redef]
+from vllm.worker.vineyard.storage import root as root_format
+from vllm.worker.vineyard.storage import root_files
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine-side handle of a vineyard backend process
-(:mod:`vineyard_backend`, run as a script): it starts the process, sends it
+(:mod:`~vllm.worker.vineyard.backend.server`): it starts the process, sends it
 requests over a socket, waits for answers with a timeout, and restarts or
 disables a process that dies or stalls.
 
-Imports neither vLLM nor torch (the backend script imports
-:class:`BackendSpec` from here).
+Imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -19,61 +18,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm.worker.vineyard import launch
+from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
+
 logger = logging.getLogger(__name__)
-
-#: The backend's entry point, run by path (never imports vLLM).
-BACKEND_SCRIPT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "vineyard_backend.py"
-)
-
 
 #: Longest close() waits for a call or start that holds the handle after
 #: the process was killed (a kill ends them at once unless the process is
 #: stuck in the kernel, e.g. on a dead filesystem).
 CLOSE_WAIT_S = 5.0
-
-
-class BackendError(RuntimeError):
-    """The backend process failed, timed out, died or is disabled."""
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """Everything a backend needs to open its namespace and map the buffers.
-
-    A buffer holds ``max_blocks`` entries of ``entry_bytes`` (one KV block of
-    every layer, then its trailer). The writer (``sweep=True``) also keeps
-    the whole cache root (``cache_root``) within its budget.
-    """
-
-    root: str  # the namespace directory
-    blocks_per_chunk: int
-    entry_bytes: int
-    max_blocks: int
-    num_buffers: int
-    auth_key_file: str = ""
-    group_access: bool = False
-    sweep: bool = False
-    cache_root: str = ""
-    disk_limit_bytes: int = 0
-    ttl_s: float = 0.0
-    sweep_interval_s: float = 30.0
-    # "lookup": the scheduler's lookups (by stat, of every TP rank's
-    # namespace in ``lookup_roots``), in a process that can be abandoned
-    # when the root hangs; no vineyard, no buffers.
-    role: str = "cache"
-    lookup_roots: tuple[str, ...] = ()
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.max_blocks * self.entry_bytes
 
 
 class BackendProcess:
@@ -186,8 +145,7 @@ class BackendProcess:
         # containers sharing a root, so give every backend a unique name.
         env.setdefault("POD_NAME", f"{socket.gethostname()}-{os.getpid()}-{id(self):x}")
         cmd = [
-            sys.executable,
-            BACKEND_SCRIPT,
+            *launch.command("backend"),
             "--conn-fd",
             str(child_sock.fileno()),
             "--shm-fd",

@@ -28,17 +28,17 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_metadata import VineyardConnectorMetadata
-from vllm.worker.vineyard_connector_scheduler import VineyardConnectorScheduler
-from vllm.worker.vineyard_connector_worker import VineyardConnectorWorker
-from vllm.worker.vineyard_lookup import (
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
+from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
+from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
+from vllm.worker.vineyard.metrics import VineyardConnectorStats, VineyardPromMetrics
+from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
+from vllm.worker.vineyard.storage.layout import (
     KVCacheLayout,
     overrides_text,
     weights_fingerprint,
 )
-from vllm.worker.vineyard_metrics import VineyardConnectorStats, VineyardPromMetrics
-from vllm.worker.vineyard_store import key_id, load_auth_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

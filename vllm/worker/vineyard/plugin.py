@@ -8,10 +8,10 @@ imported until an engine asks for the connector) and, when
 one, so ``vllm serve MODEL`` and ``LLM(model=...)`` need no other flag.
 """
 
-from vllm.worker.vineyard_config import vineyard_cache_requested
+from vllm.worker.vineyard.config import vineyard_cache_requested
 
 CONNECTOR_NAME = "VineyardConnector"
-CONNECTOR_MODULE = "vllm.worker.vineyard_connector"
+CONNECTOR_MODULE = "vllm.worker.vineyard.connector.vineyard_connector"
 
 
 def default_kv_transfer_config():

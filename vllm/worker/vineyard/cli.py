@@ -16,7 +16,7 @@ chunks (removed or not), 2 a usage error (the message names the argument).
 It works beside live instances and touches only the cache's own entries,
 as :mod:`vineyard_root` tells them (the sweeper's rules); ``verify`` checks
 each entry as a load does. Also runs as ``python -m
-vllm.worker.vineyard_cli``, or as a script by path (which skips vLLM's
+vllm.worker.vineyard.cli``, or as a script by path (which skips vLLM's
 import: it needs neither vLLM nor torch).
 """
 
@@ -35,16 +35,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-if __package__:
-    from vllm.worker import vineyard_root as root_format
-    from vllm.worker import vineyard_root_files as root_files
-    from vllm.worker import vineyard_store as store
-    from vllm.worker import vineyard_sweeper as sweeper
-else:  # run as a script by path: the siblings, not vLLM
-    import vineyard_root as root_format  # type: ignore[no-redef]
-    import vineyard_root_files as root_files  # type: ignore[no-redef]
-    import vineyard_store as store  # type: ignore[no-redef]
-    import vineyard_sweeper as sweeper  # type: ignore[no-redef]
+from vllm.worker.vineyard.storage import chunks, root_files, sweeper
+from vllm.worker.vineyard.storage import root as root_format
 
 PROG = "vineyard-llm-cache"
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -294,7 +286,7 @@ class ChunkChecker:
     first chunk that shows it."""
 
     ns_dir: str
-    sealer: store.Sealer
+    sealer: chunks.Sealer
     geometry: tuple[int, int] | None  # blocks per chunk, entry bytes
     chunk_tokens: int | None  # from the namespace's name
     keyed: bool
@@ -354,12 +346,12 @@ class ChunkChecker:
             )
         if n % bpc:
             return f"its header holds {n} ids, not whole chunks of {bpc} blocks"
-        if store.ChunkFiles(self.ns_dir, bpc, entry_bytes).path(ids) != path:
+        if chunks.ChunkFiles(self.ns_dir, bpc, entry_bytes).path(ids) != path:
             return "its path is not the hash of its header's ids (misplaced)"
         if len(self._buf) != entry_bytes:
             self._buf = bytearray(entry_bytes)
         view = memoryview(self._buf)
-        tail = entry_bytes - store.TRAILER_BYTES
+        tail = entry_bytes - chunks.TRAILER_BYTES
         for i in range(bpc):
             got = f.readinto(view)
             while got is not None and 0 < got < entry_bytes:
@@ -372,12 +364,12 @@ class ChunkChecker:
             if got != entry_bytes:
                 return f"entry {i}: short read (the file shrank)"
             block_id = ids[n - bpc + i]
-            if bytes(view[tail : tail + len(store.MAGIC_PREFIX)]) != (
-                store.MAGIC_PREFIX
+            if bytes(view[tail : tail + len(chunks.MAGIC_PREFIX)]) != (
+                chunks.MAGIC_PREFIX
             ):
                 return f"entry {i}: no entry trailer (overwritten or not sealed)"
-            digest = store.Sealer.digest_of(view)
-            if store.synthetic_id(digest) != block_id:
+            digest = chunks.Sealer.digest_of(view)
+            if chunks.synthetic_id(digest) != block_id:
                 return (
                     f"entry {i}: its digest is not that of its id {block_id} "
                     "(a block of another prefix)"
@@ -397,7 +389,7 @@ class ChunkChecker:
             if n % bpc or data % bpc or (self.chunk_tokens or 0) % bpc:
                 continue
             entry_bytes = data // bpc
-            if entry_bytes > store.TRAILER_BYTES and all(
+            if entry_bytes > chunks.TRAILER_BYTES and all(
                 self._names_its_block(
                     fd, 4 + 4 * n + (i + 1) * entry_bytes, ids[i - bpc]
                 )
@@ -409,9 +401,10 @@ class ChunkChecker:
 
     @staticmethod
     def _names_its_block(fd: int, entry_end: int, block_id: int) -> bool:
-        trailer = os.pread(fd, store.TRAILER_BYTES, entry_end - store.TRAILER_BYTES)
-        return trailer.startswith(store.MAGIC_PREFIX) and (
-            store.synthetic_id(store.Sealer.digest_of(memoryview(trailer))) == block_id
+        trailer = os.pread(fd, chunks.TRAILER_BYTES, entry_end - chunks.TRAILER_BYTES)
+        return trailer.startswith(chunks.MAGIC_PREFIX) and (
+            chunks.synthetic_id(chunks.Sealer.digest_of(memoryview(trailer)))
+            == block_id
         )
 
 
@@ -420,16 +413,16 @@ def _skip_reason(
 ) -> str | None:
     if ns.parsed.legacy:
         return "old format (1): never read by the cache; the sweeper evicts it"
-    if ns.parsed.format_version != store.FORMAT_VERSION:
+    if ns.parsed.format_version != chunks.FORMAT_VERSION:
         return (
             f"format {ns.parsed.format_version}: not this version's "
-            f"({store.FORMAT_VERSION})"
+            f"({chunks.FORMAT_VERSION})"
         )
     ns_key = _namespace_key(ns)
-    if ns_key == "nokey" or (key is not None and store.key_id(key) == ns_key):
+    if ns_key == "nokey" or (key is not None and chunks.key_id(key) == ns_key):
         return None
     given = (
-        f"--key-file {key_file!r} is key {store.key_id(key)}"
+        f"--key-file {key_file!r} is key {chunks.key_id(key)}"
         if key
         else ("no --key-file given")
     )
@@ -445,7 +438,7 @@ def _namespace_key(ns: root_format.NamespaceScan) -> str | None:
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     root = check_root(args.root)
     try:
-        key = store.load_auth_key(args.key_file or "", setting="--key-file")
+        key = chunks.load_auth_key(args.key_file or "", setting="--key-file")
     except ValueError as e:
         raise UsageError(str(e)) from None
     scan = root_format.scan_root(root)
@@ -462,7 +455,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         m = ns.manifest
         checkers[name] = ChunkChecker(
             ns.path,
-            store.Sealer(key if keyed else None, name),
+            chunks.Sealer(key if keyed else None, name),
             (m.blocks_per_chunk, m.entry_bytes) if m is not None else None,
             ns.parsed.chunk_size,
             keyed,

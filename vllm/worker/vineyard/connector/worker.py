@@ -24,15 +24,15 @@ import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard_backend_process import BackendError
-from vllm.worker.vineyard_config import VineyardLLMCacheConfig
-from vllm.worker.vineyard_connector_metadata import (
+from vllm.worker.vineyard.backend.protocol import BackendError
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.metadata import (
     VineyardConnectorMetadata,
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
-from vllm.worker.vineyard_lookup import KVCacheLayout
 
 logger = init_logger(__name__)
 

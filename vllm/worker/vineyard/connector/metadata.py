@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm.worker.vineyard_lookup import KVCacheLayout
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
 
 
 @dataclass

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The vineyard backend process (its engine-side handle is
-:mod:`vineyard_backend_process`).
+:mod:`vllm.worker.vineyard.backend.client`).
 
 vineyard-llm holds the GIL for the whole of every call, so calling it from a
 thread of vLLM's process would stall the forward pass for the full write.
@@ -10,13 +10,12 @@ Every vineyard call therefore runs in a process of its own, started with
 ``multiprocessing``). KV bytes live in shared memory (a ``memfd`` that both
 processes map); only small descriptors (buffer slot, block ids) cross the
 socket. The backend also seals (write) and verifies (read) every entry
-(:mod:`vineyard_store`), and the writer sweeps the root
-(:mod:`vineyard_sweeper`), so none of that work runs on the engine's
-threads either.
+(:mod:`~vllm.worker.vineyard.storage.chunks`), and the writer sweeps the
+root (:mod:`~vllm.worker.vineyard.storage.sweeper`), so none of that work
+runs on the engine's threads either.
 
-This file is also the backend's entry point: it is run as a script (by path,
-not with ``-m``) so that the backend never imports vLLM or torch and starts in
-a fraction of a second.
+Started through :mod:`vllm.worker.vineyard.launch`, so that a backend never
+imports vLLM or torch and starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -35,16 +34,10 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-if __package__:
-    from vllm.worker import vineyard_root as root_format
-    from vllm.worker import vineyard_store as store
-    from vllm.worker import vineyard_sweeper as sweeper
-    from vllm.worker.vineyard_backend_process import BackendSpec
-else:  # run as the backend's script: import the siblings, not vLLM
-    import vineyard_root as root_format  # type: ignore[no-redef]
-    import vineyard_store as store  # type: ignore[no-redef]
-    import vineyard_sweeper as sweeper  # type: ignore[no-redef]
-    from vineyard_backend_process import BackendSpec  # type: ignore[no-redef]
+from vllm.worker.vineyard.backend.protocol import BackendSpec
+from vllm.worker.vineyard.log_limiter import LogLimiter
+from vllm.worker.vineyard.storage import chunks, sweeper
+from vllm.worker.vineyard.storage import root as root_format
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +171,11 @@ class _VineyardServer:
         self._views = [
             [memoryview(row) for row in buffer] for buffer in self._entries
         ]  # fmt: skip
-        self._files = store.ChunkFiles(
+        self._files = chunks.ChunkFiles(
             spec.root, spec.blocks_per_chunk, spec.entry_bytes
         )
-        self._sealer = store.Sealer(
-            store.load_auth_key(spec.auth_key_file), os.path.basename(spec.root)
+        self._sealer = chunks.Sealer(
+            chunks.load_auth_key(spec.auth_key_file), os.path.basename(spec.root)
         )
         # Expiry and eviction are the sweeper's (by last use, across every
         # process): vineyard's own TTL counts from the write and only for
@@ -222,7 +215,7 @@ class _VineyardServer:
             0,
         )
         self._removed: list[str] = []  # corrupt chunk files removed
-        self._log = store.LogLimiter(logger)
+        self._log = LogLimiter(logger)
         self._sweeper: Any = None
         if spec.sweep:
             self._sweeper = sweeper.RootSweeper(
@@ -367,7 +360,7 @@ class _VineyardServer:
         views = self._views[buffer_id]
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
-            store.Sealer.clear(view)
+            chunks.Sealer.clear(view)
         # vineyard opens what it finds at a chunk's path, following links
         # and blocking on a FIFO: read only up to the first such entry.
         ids = ids[: self._regular_chunks(prefix, ids)]
@@ -387,10 +380,10 @@ class _VineyardServer:
             # (vineyard keys blocks by these 31-bit ids alone) is no damage;
             # a block under an id not its own (a forged header) is.
             view = views[verified]
-            claimed = store.Sealer.digest_of(view)
+            claimed = chunks.Sealer.digest_of(view)
             if (
                 claimed != digests[verified]
-                and store.synthetic_id(claimed) == ids[verified]
+                and chunks.synthetic_id(claimed) == ids[verified]
                 and self._sealer.verify(view, claimed)
             ):
                 self._collision(prefix + ids[: good + bpc])
@@ -475,10 +468,10 @@ class _LookupServer:
 
     def __init__(self, spec: BackendSpec):
         self._rank_files = [
-            store.ChunkFiles(root, spec.blocks_per_chunk, spec.entry_bytes)
+            chunks.ChunkFiles(root, spec.blocks_per_chunk, spec.entry_bytes)
             for root in spec.lookup_roots
         ]
-        self._log = store.LogLimiter(logger)
+        self._log = LogLimiter(logger)
 
     def handle(self, request: tuple[Any, ...]) -> Any:
         op = request[0]
@@ -507,7 +500,7 @@ def _widen_affinity(parent_cpus: list[int]) -> None:
         pass
 
 
-def _serve(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--conn-fd", type=int, required=True)
     parser.add_argument("--shm-fd", type=int, required=True)
@@ -555,7 +548,3 @@ def _serve(argv: list[str]) -> int:
             conn.send(reply)
         except (EOFError, OSError):
             return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1:]))

@@ -41,15 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-if __package__:
-    from vllm.worker import vineyard_root_files as root_files
-    from vllm.worker import vineyard_store as store
-else:  # imported by the backend's script: the siblings, not vLLM
-    import vineyard_root_files as root_files  # type: ignore[no-redef]
-    import vineyard_store as store  # type: ignore[no-redef]
+from vllm.worker.vineyard.log_limiter import LogLimiter
+from vllm.worker.vineyard.storage import chunks, root_files
 
 if TYPE_CHECKING:
-    from vllm.worker.vineyard_lookup import KVCacheLayout
+    from vllm.worker.vineyard.storage.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +133,7 @@ class Manifest:
 
 def _manifest_doc(layout: KVCacheLayout) -> dict[str, Any]:
     return {
-        "format_version": store.FORMAT_VERSION,
+        "format_version": chunks.FORMAT_VERSION,
         "namespace": layout.namespace,
         "layout": {f.name: getattr(layout, f.name) for f in fields(layout)},
         # Derived, so that tools need not know how to derive them.
@@ -226,7 +222,7 @@ def _parse_manifest(doc: dict[str, Any] | None, name: str) -> Manifest | None:
             or bpc * int(layout["block_size"]) != int(layout["chunk_size"])
             or entry_bytes
             != int(layout["num_layers"]) * int(layout["block_bytes"])
-            + store.TRAILER_BYTES
+            + chunks.TRAILER_BYTES
         ):
             return None
         return Manifest(
@@ -253,7 +249,7 @@ def load_manifest(namespace_dir: str) -> Manifest | None:
 def read_manifest(namespace_dir: str) -> KVCacheLayout | None:
     """The layout the namespace's chunks were written with, or ``None``
     (no manifest, or one that does not name this namespace)."""
-    from vllm.worker.vineyard_lookup import KVCacheLayout
+    from vllm.worker.vineyard.storage.layout import KVCacheLayout
 
     manifest = load_manifest(namespace_dir)
     if manifest is None:
@@ -313,9 +309,9 @@ class ChunkShape:
             return f"its header (n={n}) does not fit its size {size}"
         if self.legacy:
             return None
-        tail = size - store.TRAILER_BYTES
-        if tail < 4 + 4 * n or read(tail, len(store.MAGIC_PREFIX)) != (
-            store.MAGIC_PREFIX
+        tail = size - chunks.TRAILER_BYTES
+        if tail < 4 + 4 * n or read(tail, len(chunks.MAGIC_PREFIX)) != (
+            chunks.MAGIC_PREFIX
         ):
             return "it does not end in an entry's trailer"
         return None
@@ -740,11 +736,11 @@ def remove_dir(root: str, path: str) -> bool:
 
 
 def count_cached_chunks(
-    rank_files: list[store.ChunkFiles],
+    rank_files: list[chunks.ChunkFiles],
     ids: list[int],
     max_chunks: int,
     counts: dict[str, int],
-    log: store.LogLimiter,
+    log: LogLimiter,
 ) -> int:
     """How many leading chunks of ``ids`` (up to ``max_chunks``) every
     rank's namespace holds whole, by ``stat`` alone (the minimum over
@@ -763,10 +759,10 @@ def count_cached_chunks(
 
 
 def _remove_if_damaged(
-    files: store.ChunkFiles,
+    files: chunks.ChunkFiles,
     ids: list[int],
     counts: dict[str, int],
-    log: store.LogLimiter,
+    log: LogLimiter,
 ) -> None:
     """A regular file where a lookup stopped, of neither vineyard's
     placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
