@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Shared by every test directory: with this file pytest puts ``tests/`` on
-``sys.path``, so helpers such as :mod:`script_testing` import by name."""
+"""Shared by every test directory. ``tests`` is a package: helpers import
+as ``tests.<module>`` (pytest puts the repository root on ``sys.path``)."""
 
 import os
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vineyard_testing import engine_cpu
+from tests.vineyard_testing import engine_cpu
 
 #: vLLM block size of every test engine, and the cache's chunk size: the
 #: default (``VINEYARD_CACHE_CHUNK_SIZE`` unset), one block.
@@ -233,6 +233,19 @@ class EngineRun:
         )
 
 
+def _harness_command(*args: str) -> list[str]:
+    """This module run as a program (a new interpreter that imports it)."""
+    return [sys.executable, "-m", __name__, *args]
+
+
+def _importing_tests(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the repository root on ``PYTHONPATH``, so that ``tests``
+    imports as a package wherever the process runs."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = [root, *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def _run_fresh(
     spec_path: Path,
     env: Mapping[str, str],
@@ -243,8 +256,8 @@ def _run_fresh(
     """The engine in a fresh interpreter: slower (it imports vLLM again)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(spec_path)],
-            env=dict(env),
+            _harness_command(str(spec_path)),
+            env=_importing_tests(env),
             cwd=str(workdir),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -272,10 +285,10 @@ class _ForkServer:
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--fork-server"],
+            _harness_command("--fork-server"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=engine_env(None, use_cache=False),
+            env=_importing_tests(engine_env(None, use_cache=False)),
             start_new_session=True,
         )
 

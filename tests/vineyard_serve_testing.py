@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from script_testing import ROOT, clean_env, load_script
+from tests.script_testing import ROOT, clean_env, load_script
 
 EXAMPLES = ROOT / "examples" / "offline_inference"
 # Three servers start at once: on a loaded two-core machine that can take

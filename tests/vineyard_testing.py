@@ -5,8 +5,8 @@ connector and engine tests): the cores engines compute on, polling with a
 deadline, waiting for a cache's background writes, and letting stopped
 backend processes go.
 
-``tests/conftest.py`` puts ``tests/`` on ``sys.path``, so this module
-imports by name (``from vineyard_testing import wait_until``).
+Tests import it as a package module
+(``from tests.vineyard_testing import wait_until``).
 """
 
 from __future__ import annotations

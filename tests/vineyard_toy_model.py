@@ -4,8 +4,7 @@
 
 Test support (not shipped in the wheel), for the tests and the benchmark:
 no download, and (unlike ``load_format="dummy"``) non-degenerate outputs,
-so loading the wrong KV changes what the model generates. Tests import it
-by name (``tests/conftest.py`` puts ``tests/`` on ``sys.path``).
+so loading the wrong KV changes what the model generates.
 """
 
 import json

@@ -46,10 +46,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 # The engine harness and the toy model writer are shared with the tests.
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-import vineyard_toy_model as toy  # noqa: E402
-from vineyard_engine_testing import (  # noqa: E402
+from tests import vineyard_toy_model as toy  # noqa: E402
+from tests.vineyard_engine_testing import (  # noqa: E402
     EngineRun,
     engine_env,
     run_engine,

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from script_testing import clean_env, load_script  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from tests.script_testing import clean_env, load_script  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slow_fs import SlowFs, fuse_unavailable  # noqa: E402

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from script_testing import ROOT, clean_env
+
+from tests.script_testing import ROOT, clean_env
 
 SCRIPTS = ROOT / "benchmarks" / "vineyard"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,8 @@ import random
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     cacheable_prefix,
     engine_env,
@@ -27,8 +28,7 @@ from vineyard_engine_testing import (
     random_tokens,
     run_engine,
 )
-from vineyard_toy_model import make_toy_llama
-
+from tests.vineyard_toy_model import make_toy_llama
 from vllm.worker.vineyard.storage.chunks import (
     ChunkFiles,
     extend_digests,

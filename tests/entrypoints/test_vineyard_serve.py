@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vineyard_serve_testing import (
+
+from tests.vineyard_serve_testing import (
     DOCUMENT_TOKENS,
     EXIT_BOUND_S,
     QUESTIONS,
@@ -31,7 +32,7 @@ from vineyard_serve_testing import (
     Server,
     prepare_model,
 )
-from vineyard_testing import engine_cpu, other_cpu
+from tests.vineyard_testing import engine_cpu, other_cpu
 
 pytestmark = pytest.mark.engine
 

@@ -24,14 +24,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from script_testing import ROOT, mount_slow_fs
-from vineyard_serve_testing import (
+
+from tests.script_testing import ROOT, mount_slow_fs
+from tests.vineyard_serve_testing import (
     QUESTIONS,
     STARTUP_TIMEOUT_S,
     Server,
     prepare_model,
 )
-from vineyard_testing import engine_cpu
+from tests.vineyard_testing import engine_cpu
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 from slow_fs import SlowFs  # noqa: E402

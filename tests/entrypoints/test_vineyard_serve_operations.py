@@ -27,7 +27,14 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from vineyard_serve_testing import (
+from vllm.distributed.kv_events import (
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+from tests.vineyard_serve_testing import (
     DOCUMENT_TOKENS,
     QUESTIONS,
     STARTUP_TIMEOUT_S,
@@ -35,13 +42,7 @@ from vineyard_serve_testing import (
     free_port,
     prepare_model,
 )
-from vineyard_testing import engine_cpu
-from vllm.distributed.kv_events import (
-    MEDIUM_STORAGE,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
+from tests.vineyard_testing import engine_cpu
 
 pytestmark = pytest.mark.engine
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from script_testing import ROOT
-from vineyard_serve_testing import (
+
+from tests.script_testing import ROOT
+from tests.vineyard_serve_testing import (
     QUESTIONS,
     STARTUP_TIMEOUT_S,
     Server,
     prepare_model,
 )
-from vineyard_testing import engine_cpu
-
+from tests.vineyard_testing import engine_cpu
 from vllm.worker.vineyard.metrics import (
     COUNTERS,
     GAUGES,

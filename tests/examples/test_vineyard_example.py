@@ -22,8 +22,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from script_testing import ROOT, clean_env, load_script
-from vineyard_testing import engine_cpu
+
+from tests.script_testing import ROOT, clean_env, load_script
+from tests.vineyard_testing import engine_cpu
 
 EXAMPLES = ROOT / "examples" / "offline_inference"
 EXAMPLE = EXAMPLES / "vineyard_llm_cache.py"

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from vineyard_cache_testing import CacheFactory, CacheHarness, build_cache
+
+from tests.worker.vineyard_cache_testing import CacheFactory, CacheHarness, build_cache
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import psutil
-from vineyard_cache_testing import (
+
+from tests.vineyard_testing import wait_until
+from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
     CacheFactory,
     CacheHarness,
@@ -29,8 +31,6 @@ from vineyard_cache_testing import (
     same_bits,
     stop_process,
 )
-from vineyard_testing import wait_until
-
 from vllm.worker.vineyard import launch
 from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec

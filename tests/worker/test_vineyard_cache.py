@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from vineyard_cache_testing import (
+
+from tests.worker.vineyard_cache_testing import (
     BLOCK_SIZE,
     CHUNK_SIZE,
     MAX_NUM_BATCHED_TOKENS,

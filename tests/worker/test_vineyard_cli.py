@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_cache_testing import (
+
+from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
     CacheFactory,
     CacheHarness,
@@ -29,7 +30,6 @@ from vineyard_cache_testing import (
     make_tokens,
     read_header_ids,
 )
-
 from vllm.worker.vineyard import cli as vineyard_cli
 from vllm.worker.vineyard import launch
 from vllm.worker.vineyard.cli import main, parse_size

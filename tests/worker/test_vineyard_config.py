@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from vineyard_cache_testing import make_layout, random_kv
 
+from tests.worker.vineyard_cache_testing import make_layout, random_kv
 from vllm.worker.vineyard.config import (
     ENV_VARS,
     VineyardLLMCacheConfig,

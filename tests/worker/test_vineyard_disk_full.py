@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vineyard_disk_testing import (
+
+from tests.vineyard_testing import wait_until
+from tests.worker.vineyard_disk_testing import (
     CHUNK_SIZE,
     Harness,
     chunk_files,
@@ -23,8 +25,6 @@ from vineyard_disk_testing import (
     remount,
     tmpfs,
 )
-from vineyard_testing import wait_until
-
 from vllm.worker.vineyard.backend.server import _write_error_reason
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.sweeper import TEMP_DIR, RootSweeper

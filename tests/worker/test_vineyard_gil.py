@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vineyard_cache_testing import (
+
+from tests.worker.vineyard_cache_testing import (
     LARGE_CACHE,
     LARGE_STEP_TOKENS,
     CacheFactory,

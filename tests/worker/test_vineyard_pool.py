@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from vineyard_testing import wait_until
 
+from tests.vineyard_testing import wait_until
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard_llm_cache import (
     UpdateResult,

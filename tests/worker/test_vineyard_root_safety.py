@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from vineyard_cache_testing import CacheFactory, make_tokens
 
+from tests.worker.vineyard_cache_testing import CacheFactory, make_tokens
 from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
 from vllm.worker.vineyard.storage.root import check_root
 

@@ -29,7 +29,8 @@ import mmh3
 import numpy as np
 import pytest
 import torch
-from vineyard_cache_testing import (
+
+from tests.worker.vineyard_cache_testing import (
     BLOCK_SIZE,
     CHUNK_SIZE,
     CacheFactory,
@@ -41,7 +42,6 @@ from vineyard_cache_testing import (
     whole_chunks,
     write_header_ids,
 )
-
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import (

@@ -25,13 +25,13 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from vineyard_disk_testing import (
+
+from tests.worker.vineyard_disk_testing import (
     CHUNK_SIZE,
     Harness,
     chunk_files,
     open_cache,
 )
-
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage import sweeper as sweeper_module
 from vllm.worker.vineyard.storage.chunks import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-from vineyard_cache_testing import (
+
+from tests.vineyard_testing import wait_until
+from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
     LARGE_CACHE,
     LARGE_STEP_TOKENS,
@@ -29,8 +31,6 @@ from vineyard_cache_testing import (
     pid_exists,
     stop_process,
 )
-from vineyard_testing import wait_until
-
 from vllm.worker.vineyard.backend.client import BackendProcess
 from vllm.worker.vineyard.backend.protocol import BackendError
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup

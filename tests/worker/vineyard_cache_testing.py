@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vineyard_testing import resume_processes, wait_for_writes, wait_until
 
+from tests.vineyard_testing import resume_processes, wait_for_writes, wait_until
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import (

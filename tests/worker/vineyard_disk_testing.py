@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vineyard_cache_testing import (
+
+from tests.vineyard_testing import wait_for_writes
+from tests.worker.vineyard_cache_testing import (
     BLOCK_SIZE,
     CHUNK_SIZE,
     HEAD_SIZE,
@@ -29,8 +31,6 @@ from vineyard_cache_testing import (
     make_layout,
     open_llm_cache,
 )
-from vineyard_testing import wait_for_writes
-
 from vllm.worker.vineyard.storage.chunks import (
     ChunkFiles,
     extend_digests,

@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     EngineRun,
     ModelFactory,
     ReferenceRunner,
     engine_env,
     run_engine,
 )
-from vineyard_toy_model import ToyLlamaConfig, make_toy_llama
+from tests.vineyard_toy_model import ToyLlamaConfig, make_toy_llama
 
 
 @pytest.fixture(scope="session")

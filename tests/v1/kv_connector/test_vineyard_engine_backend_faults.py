@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,
@@ -19,7 +20,6 @@ from vineyard_engine_testing import (
     run_engine,
     standard_prompts,
 )
-
 from vllm.worker.vineyard.storage.root import MANIFEST
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
 

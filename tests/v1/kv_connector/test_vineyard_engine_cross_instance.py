@@ -15,7 +15,8 @@ import random
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     EngineRun,
     ReferenceRunner,

@@ -12,14 +12,14 @@ import random
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
     random_tokens,
     run_engine,
 )
-
 from vllm.worker.vineyard.storage.root import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

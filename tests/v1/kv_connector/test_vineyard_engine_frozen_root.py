@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from script_testing import ROOT, mount_slow_fs
-from vineyard_engine_testing import (
+
+from tests.script_testing import ROOT, mount_slow_fs
+from tests.vineyard_engine_testing import (
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,

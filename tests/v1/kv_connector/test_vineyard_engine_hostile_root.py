@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     ReferenceRunner,
     engine_env,
     random_tokens,
     run_engine,
 )
-
 from vllm.worker.vineyard.storage.chunks import (
     ChunkFiles,
     extend_digests,

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     EngineRun,
     ModelFactory,

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     EngineRun,
     cacheable_prefix,
     engine_env,
     random_tokens,
     run_engine,
 )
-from vineyard_toy_model import make_toy_lora
+from tests.vineyard_toy_model import make_toy_lora
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

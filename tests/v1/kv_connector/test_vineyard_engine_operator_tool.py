@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     ReferenceRunner,
     cacheable_prefix,
@@ -29,7 +30,6 @@ from vineyard_engine_testing import (
     run_engine,
     saved_tokens,
 )
-
 from vllm.worker.vineyard.cli import main
 from vllm.worker.vineyard.storage.root import scan_root
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     EngineRun,
     cacheable_prefix,
     engine_env,
     run_engine,
 )
-from vineyard_toy_model import ToyLlamaConfig
+from tests.vineyard_toy_model import ToyLlamaConfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

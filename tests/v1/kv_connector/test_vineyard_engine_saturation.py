@@ -18,7 +18,8 @@ import random
 from pathlib import Path
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     EngineRun,
     cacheable_prefix,
     engine_env,

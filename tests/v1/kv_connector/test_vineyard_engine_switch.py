@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_engine_testing import (
+
+from tests.vineyard_engine_testing import (
     VINEYARD_MODULES,
     EngineRun,
     ReferenceRunner,

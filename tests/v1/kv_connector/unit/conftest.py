@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from vineyard_connector_testing import (
+
+from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     WorkerHarness,
     make_config,
     make_layout,
     make_worker,
 )
-
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 
 

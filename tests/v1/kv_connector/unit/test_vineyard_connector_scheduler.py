@@ -20,7 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-from vineyard_connector_testing import (
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
@@ -37,9 +40,6 @@ from vineyard_connector_testing import (
     run_step,
     tp_workers,
 )
-from vllm.lora.request import LoRARequest
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler

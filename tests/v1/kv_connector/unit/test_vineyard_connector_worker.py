@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from vineyard_connector_testing import (
+
+from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     BLOCK_SIZE,
     BLOCKS_PER_CHUNK,
     CHUNK_SIZE,
@@ -42,7 +43,6 @@ from vineyard_connector_testing import (
     run_step,
     tp_workers,
 )
-
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids

@@ -21,7 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vineyard_scheduler_testing import (
+from vllm.config import KVEventsConfig
+from vllm.distributed.kv_events import (
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
     Engine,
@@ -32,15 +41,7 @@ from vineyard_scheduler_testing import (
     make_model_dir,
     random_tokens,
 )
-from vineyard_testing import resume_processes
-from vllm.config import KVEventsConfig
-from vllm.distributed.kv_events import (
-    MEDIUM_STORAGE,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from tests.vineyard_testing import resume_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +52,8 @@ class Published:
     def __init__(self, engine: Engine, on_event: Callable[[Any], None] | None = None):
         self.events: list[Any] = []
         self._on_event = on_event
-        engine.scheduler.kv_event_publisher.publish = self._publish
+        # Stands in for the ZMQ publisher's method.
+        setattr(engine.scheduler.kv_event_publisher, "publish", self._publish)  # noqa: B010
 
     def _publish(self, batch: KVEventBatch) -> None:
         self.events.extend(batch.events)

@@ -25,7 +25,11 @@ from typing import Any
 
 import pytest
 import torch
-from vineyard_scheduler_testing import (
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
     NUM_BLOCKS,
@@ -41,11 +45,7 @@ from vineyard_scheduler_testing import (
     make_model_dir,
     random_tokens,
 )
-from vineyard_testing import resume_processes, wait_until
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.request import Request, RequestStatus
-
+from tests.vineyard_testing import resume_processes, wait_until
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.storage.chunks import extend_digests

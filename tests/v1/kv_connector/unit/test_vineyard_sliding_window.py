@@ -23,7 +23,16 @@ from typing import Any
 
 import pytest
 import torch
-from vineyard_scheduler_testing import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import RequestStatus
+
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     LAYER_NAMES,
     Engine,
@@ -36,16 +45,7 @@ from vineyard_scheduler_testing import (
     make_model_dir,
     random_tokens,
 )
-from vineyard_testing import resume_processes
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from vllm.v1.request import RequestStatus
-
+from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector.scheduler import NULL_BLOCK_ID
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.storage.chunks import extend_digests

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vineyard_testing import resume_processes, wait_for_writes
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import (
     CachedRequestData,
@@ -35,6 +34,7 @@ from vllm.v1.core.sched.output import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from tests.vineyard_testing import resume_processes, wait_for_writes
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,

@@ -30,7 +30,6 @@ from typing import Any
 from unittest import mock
 
 import torch
-from vineyard_testing import wait_for_writes
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -59,6 +58,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tests.vineyard_testing import wait_for_writes
 from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
