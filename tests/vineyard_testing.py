@@ -53,9 +53,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 def wait_for_writes(cache: VineyardLLMCache, timeout_s: float = 30.0) -> None:
     """Wait until ``cache`` has no update in flight (every staging buffer is
     back): its background writes are done, written or failed."""
-    assert wait_until(lambda: cache.pool.num_in_flight == 0, timeout_s), (
-        "background writes did not finish"
-    )
+    assert wait_until(
+        lambda: cache._pool.num_free == cache._pool.max_buffers, timeout_s
+    ), "background writes did not finish"
 
 
 def resume_processes(pids: Iterable[int | None]) -> None:

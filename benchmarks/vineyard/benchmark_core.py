@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,13 @@ from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import extend_digests, key_id, load_auth_key
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard.transfer.saves import SaveRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The cache with a blocking load and the pool's counts is the tests' own.
+sys.path.insert(0, str(ROOT))
+
+from tests.worker.vineyard_cache_testing import TestingCache  # noqa: E402
 
 TARGET_READ_VS_READV = 1.3  # cache read time at most 1.3x readv's
 TARGET_SAVE_VS_MEMCPY = 1.2  # forward-thread save at most 1.2x one memcpy
@@ -101,7 +108,7 @@ class Bench:
             max_inflight_tasks=2,
             backend_timeout_s=120.0,
         )
-        self.cache = VineyardLLMCache(
+        self.cache = TestingCache(
             self.config,
             self.layout,
             s.step_tokens,

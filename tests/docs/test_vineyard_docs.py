@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The user documentation of the vineyard cache agrees with the code: the
-settings table with ``ENV_VARS`` (:mod:`vineyard_config`) and the metrics
+settings table with ``ENV_VARS`` (:mod:`vllm.worker.vineyard.config`) and the metrics
 table with ``COUNTERS`` / ``GAUGES`` / ``HISTOGRAMS``
-(:mod:`vineyard_metrics`), in both directions."""
+(:mod:`vllm.worker.vineyard.metrics`), in both directions."""
 
 from __future__ import annotations
 

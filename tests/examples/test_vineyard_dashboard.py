@@ -180,7 +180,7 @@ def test_names_are_the_connectors_metrics() -> None:
     unknown = sorted(
         n for n in names if n.startswith(METRIC_PREFIX) and n not in exported
     )
-    assert not unknown, f"not defined in vineyard_metrics.py: {unknown}"
+    assert not unknown, f"not defined in vllm/worker/vineyard/metrics.py: {unknown}"
     wanted = {f"{METRIC_PREFIX}{name}_total" for name in COUNTERS}
     wanted |= {f"{METRIC_PREFIX}{name}" for name in GAUGES}
     wanted |= {histogram_metric_name(name) + "_bucket" for name in HISTOGRAMS}

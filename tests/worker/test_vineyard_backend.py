@@ -25,6 +25,7 @@ from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
     CacheFactory,
     CacheHarness,
+    default_settings,
     kill_process,
     make_tokens,
     pid_exists,
@@ -298,6 +299,7 @@ def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
     it (a restart) holding the handle: close() kills it, process group and
     all, and returns within seconds, not after the startup timeout."""
     spec = BackendSpec(
+        settings=default_settings(),
         root=str(tmp_path / "namespace"),
         blocks_per_chunk=1,
         entry_bytes=256,

@@ -11,6 +11,7 @@ and once each as the installed script, ``python -m`` and by path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,20 +31,21 @@ from tests.worker.vineyard_cache_testing import (
     make_tokens,
     read_header_ids,
 )
-from vllm.worker.vineyard import cli as vineyard_cli
 from vllm.worker.vineyard import launch
-from vllm.worker.vineyard.cli import main, parse_size
+from vllm.worker.vineyard.cli import main
+from vllm.worker.vineyard.cli import settings as vineyard_cli
+from vllm.worker.vineyard.cli.arguments import parse_size
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.storage.chunks import FORMAT_VERSION
-from vllm.worker.vineyard.storage.root import (
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.namespaces import (
     MANIFEST,
-    is_chunk_file,
     is_namespace_name,
     load_manifest,
-    read_manifest,
-    scan_root,
+    parse_namespace_name,
     write_manifest,
 )
+from vllm.worker.vineyard.storage.scan import scan_root
 from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
 SEQ_CHUNKS = 4
@@ -95,9 +97,45 @@ def plant_foreign(root: Path) -> list[Path]:
     return [notes, deep, link]
 
 
+def read_manifest(namespace_dir: str) -> KVCacheLayout | None:
+    """The layout a namespace's manifest names, or ``None`` (no manifest,
+    or one that does not name this namespace)."""
+    manifest = load_manifest(namespace_dir)
+    if manifest is None:
+        return None
+    try:
+        layout = KVCacheLayout(
+            **{
+                f.name: manifest.layout[f.name]
+                for f in dataclasses.fields(KVCacheLayout)
+                if f.name in manifest.layout
+            }
+        )
+    except (TypeError, ValueError):
+        return None
+    return layout if layout.namespace == manifest.namespace else None
+
+
+def is_chunk_file(path: str) -> bool:
+    """Whether ``path`` is one of the cache's chunk files, as a scan of its
+    root tells them: at ``root/namespace/aa/bb/cc/dd``, a regular file (not
+    a link) shaped as its namespace's manifest says, or without one as its
+    own header says."""
+    parts = os.path.normpath(path).split(os.sep)
+    if len(parts) < 6 or parse_namespace_name(parts[-5]) is None:
+        return False
+    root = os.sep.join(parts[:-5]) or os.sep
+    return os.path.normpath(path) in scanned_chunks(root)
+
+
+def scanned_chunks(root: str) -> set[str]:
+    return {os.path.normpath(c.path) for c in scan_root(root).chunks}
+
+
 def chunks_of(namespace_dir: str) -> list[str]:
     """The chunk files of a namespace (its manifest left out)."""
-    return [p for p in chunk_files(namespace_dir) if is_chunk_file(p)]
+    found = scanned_chunks(os.path.dirname(os.path.normpath(namespace_dir)))
+    return [p for p in chunk_files(namespace_dir) if os.path.normpath(p) in found]
 
 
 def disk_total(root: str | Path) -> int:

@@ -25,9 +25,12 @@ from tests.worker.vineyard_disk_testing import (
     remount,
     tmpfs,
 )
-from vllm.worker.vineyard.backend.server import _write_error_reason
+from vllm.worker.vineyard.backend.write_errors import (
+    write_error_reason as _write_error_reason,
+)
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
-from vllm.worker.vineyard.storage.sweeper import TEMP_DIR, RootSweeper
+from vllm.worker.vineyard.storage.namespaces import TEMP_DIR
+from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
 FS_BYTES = 1 << 20  # about 50 chunks of 16.5 KB (20 KiB on disk each)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from tests.worker.vineyard_disk_testing import CHUNK_SIZE, make_tokens, open_cache
 from tests.worker.vineyard_glusterfs_testing import glusterfs_mounts
-from vllm.worker.vineyard.storage.root import scan_root
 from vllm.worker.vineyard.storage.root_files import (
     SWEEP_LOCK,
     RootSettings,
     read_root_settings,
     record_root_settings,
 )
+from vllm.worker.vineyard.storage.scan import scan_root
 from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
 PREFIX = 4 * CHUNK_SIZE

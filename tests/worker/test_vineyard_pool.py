@@ -19,33 +19,29 @@ import pytest
 import torch
 
 from tests.vineyard_testing import wait_until
+from tests.worker.vineyard_cache_testing import TestingPool
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard_llm_cache import (
-    UpdateResult,
-    _AsyncUpdater,
-    _PinnedTensorPool,
-    _Segment,
-    _StagingMemory,
-    _UpdateTask,
-)
+from vllm.worker.vineyard.transfer.saves import Segment, UpdateResult, UpdateTask
+from vllm.worker.vineyard.transfer.staging import StagingMemory
+from vllm.worker.vineyard_llm_cache import _AsyncUpdater, _PinnedTensorPool
 
 MAX_BLOCKS = 4
 ENTRY_BYTES = 1024  # one block of every layer plus its trailer
 BLOCK_SIZE = 16  # tokens per block: the updater counts tokens
 
-Write = Callable[[_UpdateTask], UpdateResult]
+Write = Callable[[UpdateTask], UpdateResult]
 
 
 @pytest.fixture
-def memory() -> Iterator[_StagingMemory]:
-    mem = _StagingMemory(8, MAX_BLOCKS, ENTRY_BYTES, torch.float32)
+def memory() -> Iterator[StagingMemory]:
+    mem = StagingMemory(8, MAX_BLOCKS, ENTRY_BYTES, torch.float32)
     yield mem
     mem.close()
 
 
-def segment(tag: int, num_blocks: int = 1) -> _Segment:
+def segment(tag: int, num_blocks: int = 1) -> Segment:
     """A segment of ``num_blocks`` blocks whose first id is ``tag``."""
-    return _Segment(
+    return Segment(
         first_slot=0,
         prefix_ids=[],
         ids=[tag] * num_blocks,
@@ -55,24 +51,24 @@ def segment(tag: int, num_blocks: int = 1) -> _Segment:
     )
 
 
-def tag_of(task: _UpdateTask) -> int:
+def tag_of(task: UpdateTask) -> int:
     return task.segments[0].ids[0]
 
 
-def written(task: _UpdateTask) -> UpdateResult:
+def written(task: UpdateTask) -> UpdateResult:
     """Every block of every segment written."""
     return UpdateResult(sum(len(s.ids) for s in task.segments), 0)
 
 
-def make_pool(memory: _StagingMemory, low: int, high: int) -> _PinnedTensorPool:
-    return _PinnedTensorPool(memory, low, high)
+def make_pool(memory: StagingMemory, low: int, high: int) -> TestingPool:
+    return TestingPool(memory, low, high)
 
 
-def make_task(pool: _PinnedTensorPool, tag: int) -> _UpdateTask:
+def make_task(pool: _PinnedTensorPool, tag: int) -> UpdateTask:
     """A task on a free buffer whose only segment carries ``tag``."""
     buffer_id = pool.get()
     assert buffer_id is not None, "pool exhausted"
-    return _UpdateTask(buffer_id, [segment(tag)])
+    return UpdateTask(buffer_id, [segment(tag)])
 
 
 class Updater:
@@ -86,7 +82,7 @@ class Updater:
     ):
         self.pool = pool
         self.metrics = VineyardCacheMetrics(histograms_enabled=True)
-        self.failed: list[_UpdateTask] = []
+        self.failed: list[UpdateTask] = []
         self.updater = _AsyncUpdater(
             write,
             pool,
@@ -115,7 +111,7 @@ def updaters() -> Iterator[list[Updater]]:
 
 
 @pytest.mark.parametrize(("low", "high"), [(1, 1), (1, 4), (2, 5), (3, 3), (1, 8)])
-def test_pool_bounds(memory: _StagingMemory, low: int, high: int) -> None:
+def test_pool_bounds(memory: StagingMemory, low: int, high: int) -> None:
     pool = make_pool(memory, low, high)
     # MIN buffers exist from the start, nothing is in flight.
     assert pool.num_created == low
@@ -146,7 +142,7 @@ def test_pool_bounds(memory: _StagingMemory, low: int, high: int) -> None:
     assert pool.num_created == high
 
 
-def test_pool_get_does_not_block_when_exhausted(memory: _StagingMemory) -> None:
+def test_pool_get_does_not_block_when_exhausted(memory: StagingMemory) -> None:
     """get() on an exhausted pool returns None at once, even while the
     buffers in flight are held (nobody will put one back during the calls).
     Proved without timing: the calls run in a thread that must finish
@@ -170,7 +166,7 @@ def test_pool_get_does_not_block_when_exhausted(memory: _StagingMemory) -> None:
     assert results == [None] * 100
 
 
-def test_pool_buffers_are_distinct_and_zeroed(memory: _StagingMemory) -> None:
+def test_pool_buffers_are_distinct_and_zeroed(memory: StagingMemory) -> None:
     memory.tensor.view(torch.uint8).fill_(0xAB)  # dirty shared memory
     pool = make_pool(memory, 2, 4)
     ids = [pool.get() for _ in range(4)]
@@ -185,7 +181,7 @@ def test_pool_buffers_are_distinct_and_zeroed(memory: _StagingMemory) -> None:
         assert torch.all(b == float(value + 1)), "pool buffers overlap"
 
 
-def test_pool_rejects_double_put(memory: _StagingMemory) -> None:
+def test_pool_rejects_double_put(memory: StagingMemory) -> None:
     pool = make_pool(memory, 1, 2)
     buffer_id = pool.get()
     assert buffer_id is not None
@@ -194,7 +190,7 @@ def test_pool_rejects_double_put(memory: _StagingMemory) -> None:
         pool.put(buffer_id)
 
 
-def test_pool_is_thread_safe(memory: _StagingMemory) -> None:
+def test_pool_is_thread_safe(memory: StagingMemory) -> None:
     pool = make_pool(memory, 1, 4)
     errors: list[str] = []
 
@@ -222,13 +218,13 @@ def test_pool_is_thread_safe(memory: _StagingMemory) -> None:
 
 
 def test_updater_keeps_issue_order_under_a_burst(
-    memory: _StagingMemory, updaters: list[Updater]
+    memory: StagingMemory, updaters: list[Updater]
 ) -> None:
     pool = make_pool(memory, 1, 4)
     order: list[int] = []
     gate = threading.Event()
 
-    def write(task: _UpdateTask) -> UpdateResult:
+    def write(task: UpdateTask) -> UpdateResult:
         gate.wait(5.0)
         order.append(tag_of(task))
         time.sleep(0.001)
@@ -263,18 +259,18 @@ def test_updater_keeps_issue_order_under_a_burst(
 
 
 def test_updater_counts_rejected_tokens(
-    memory: _StagingMemory, updaters: list[Updater]
+    memory: StagingMemory, updaters: list[Updater]
 ) -> None:
     pool = make_pool(memory, 1, 1)
 
-    def write(task: _UpdateTask) -> UpdateResult:
+    def write(task: UpdateTask) -> UpdateResult:
         return UpdateResult(2, 4)  # vineyard refused one segment (no prefix)
 
     u = Updater(pool, write)
     updaters.append(u)
     buffer_id = pool.get()
     assert buffer_id is not None
-    task = _UpdateTask(buffer_id, [segment(1, 2), segment(2, 4)])
+    task = UpdateTask(buffer_id, [segment(1, 2), segment(2, 4)])
     u.updater.submit(task)
     assert task.done.wait(5.0)
     counters = u.counters()
@@ -289,12 +285,12 @@ def test_updater_counts_rejected_tokens(
 
 @pytest.mark.parametrize("failing", [0, 2, 5])
 def test_updater_goes_on_after_a_failed_write(
-    memory: _StagingMemory, updaters: list[Updater], failing: int
+    memory: StagingMemory, updaters: list[Updater], failing: int
 ) -> None:
     pool = make_pool(memory, 2, 2)
     seen: list[int] = []
 
-    def write(task: _UpdateTask) -> UpdateResult:
+    def write(task: UpdateTask) -> UpdateResult:
         tag = tag_of(task)
         seen.append(tag)
         if tag == failing:
@@ -327,7 +323,7 @@ def test_updater_goes_on_after_a_failed_write(
 
 
 def test_updater_shutdown_drains_within_the_timeout_and_drops_the_rest(
-    memory: _StagingMemory, updaters: list[Updater]
+    memory: StagingMemory, updaters: list[Updater]
 ) -> None:
     """Tasks that start before the drain deadline are written; those that
     would start after it are dropped unwritten. The timeline is set by
@@ -337,7 +333,7 @@ def test_updater_shutdown_drains_within_the_timeout_and_drops_the_rest(
     drain_s = 0.5
     u: Updater
 
-    def write(task: _UpdateTask) -> UpdateResult:
+    def write(task: UpdateTask) -> UpdateResult:
         if tag_of(task) == 1:
             updater = u.updater
             assert wait_until(
@@ -374,12 +370,12 @@ def test_updater_shutdown_drains_within_the_timeout_and_drops_the_rest(
 
 
 def test_updater_shutdown_is_bounded_when_a_write_hangs(
-    memory: _StagingMemory, updaters: list[Updater]
+    memory: StagingMemory, updaters: list[Updater]
 ) -> None:
     pool = make_pool(memory, 1, 3)
     release = threading.Event()
 
-    def hanging_write(task: _UpdateTask) -> UpdateResult:
+    def hanging_write(task: UpdateTask) -> UpdateResult:
         release.wait(30.0)
         raise RuntimeError("backend closed")
 
@@ -405,11 +401,11 @@ def test_updater_shutdown_is_bounded_when_a_write_hangs(
 
 
 def test_updater_records_timings(
-    memory: _StagingMemory, updaters: list[Updater]
+    memory: StagingMemory, updaters: list[Updater]
 ) -> None:
     pool = make_pool(memory, 1, 1)
 
-    def write(task: _UpdateTask) -> UpdateResult:
+    def write(task: UpdateTask) -> UpdateResult:
         time.sleep(0.05)
         return written(task)
 

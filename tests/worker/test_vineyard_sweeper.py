@@ -34,9 +34,11 @@ from tests.worker.vineyard_disk_testing import (
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage import sweeper as sweeper_module
+from vllm.worker.vineyard.storage import usage
 from vllm.worker.vineyard.storage.chunks import MAGIC_PREFIX, TRAILER_BYTES, ChunkFiles
+from vllm.worker.vineyard.storage.eviction import HIGH_WATER, LOW_WATER
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard.storage.root import MANIFEST, scan_root, write_manifest
+from vllm.worker.vineyard.storage.namespaces import MANIFEST, TEMP_DIR, write_manifest
 from vllm.worker.vineyard.storage.root_files import (
     ROOT_FILES,
     ROOT_SETTINGS,
@@ -46,11 +48,9 @@ from vllm.worker.vineyard.storage.root_files import (
     read_root_settings,
     record_root_settings,
 )
+from vllm.worker.vineyard.storage.scan import scan_root
 from vllm.worker.vineyard.storage.sweeper import (
     EMPTY_DIR_MIN_AGE_S,
-    HIGH_WATER,
-    LOW_WATER,
-    TEMP_DIR,
     TEMP_MAX_AGE_S,
     RootSweeper,
 )
@@ -697,7 +697,7 @@ def test_a_ledger_held_elsewhere_costs_one_wait(
     process): the writer waits for it once, then counts on its own for a
     while (logged once), so its writes are not slowed further, and the
     limit still holds by its own count."""
-    monkeypatch.setattr(sweeper_module, "LEDGER_WAIT_S", 0.3)
+    monkeypatch.setattr(usage, "LEDGER_WAIT_S", 0.3)
     s = sweeper(tmp_path, limit_chunks=10)
     with (
         lock_held_elsewhere(tmp_path, USAGE_LEDGER),

@@ -32,10 +32,15 @@ from tests.worker.vineyard_cache_testing import (
     stop_process,
 )
 from vllm.worker.vineyard.backend.client import BackendProcess
-from vllm.worker.vineyard.backend.protocol import BackendError
+from vllm.worker.vineyard.backend.protocol import (
+    BackendError,
+    Request,
+    StatsRequest,
+    UpdateRequest,
+)
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import extend_digests
-from vllm.worker.vineyard_llm_cache import SaveRequest
+from vllm.worker.vineyard.transfer.saves import SaveRequest
 
 T = TypeVar("T")
 
@@ -304,7 +309,7 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
 def _call_stats(writer: BackendProcess, errors: list[Exception]) -> None:
     """A call that the stopped writer never answers (until it is killed)."""
     try:
-        writer.call("stats", timeout_s=60.0)
+        writer.call(StatsRequest(), timeout_s=60.0)
     except BackendError as e:
         errors.append(e)
 
@@ -319,10 +324,10 @@ def test_failed_write_is_written_again_from_its_first_chunk(
     real_send = cache._writer.send
     failures = iter([True])
 
-    def fail_once(*request: Any) -> None:
-        if request[0] == "update" and next(failures, False):
+    def fail_once(request: Request[Any]) -> None:
+        if isinstance(request, UpdateRequest) and next(failures, False):
             raise BackendError("injected write failure")
-        real_send(*request)
+        real_send(request)
 
     monkeypatch.setattr(cache._writer, "send", fail_once)
     seq.computed = 2 * CHUNK_SIZE

@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Helpers of the vineyard cache tests (the fixtures are in conftest.py).
 
-A :class:`CacheHarness` is a real worker-side cache (:class:`VineyardLLMCache`,
+A :class:`CacheHarness` is a real worker-side cache (a :class:`TestingCache`:
+the product's :class:`VineyardLLMCache` plus what only tests drive or read,
 with its backend processes) plus the scheduler-side lookup of the same
 namespace (:class:`VineyardCacheLookup`), over random paged KV. Tests speak
 in token ids; the harness turns them into the chained block digests that
@@ -17,14 +18,16 @@ import os
 import random
 import signal
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from tests.vineyard_testing import resume_processes, wait_for_writes, wait_until
+from vllm.worker.vineyard.backend.protocol import BackendSettings, StatsRequest
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import (
@@ -34,10 +37,10 @@ from vllm.worker.vineyard.storage.chunks import (
     synthetic_ids,
 )
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard.storage.root import MANIFEST
+from vllm.worker.vineyard.storage.namespaces import MANIFEST, TEMP_DIR
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
-from vllm.worker.vineyard.storage.sweeper import TEMP_DIR
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard.transfer.saves import SaveRequest
+from vllm.worker.vineyard_llm_cache import VineyardLLMCache, _PinnedTensorPool
 
 # A small model: fast to write, several chunks per sequence.
 NUM_LAYERS = 2
@@ -47,6 +50,118 @@ BLOCK_SIZE = 16
 CHUNK_SIZE = 32
 NUM_BLOCKS = 160
 MAX_NUM_BATCHED_TOKENS = 128
+
+
+def default_settings() -> BackendSettings:
+    """A backend's settings as the config has them by default."""
+    return BackendSettings.from_config(VineyardLLMCacheConfig())
+
+
+class TestingPool(_PinnedTensorPool):
+    """The staging pool with the counts its tests check."""
+
+    __test__ = False  # not a test class, though named like one
+
+    @property
+    def num_created(self) -> int:
+        return self._num_created
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return self._num_created - len(self._free)
+
+
+class PoolCounts:
+    """What tests read of a cache's staging pool (taken from its free
+    count: a buffer not free is in flight)."""
+
+    def __init__(self, pool: _PinnedTensorPool):
+        self._pool = pool
+
+    @property
+    def max_buffers(self) -> int:
+        return self._pool.max_buffers
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._pool.max_buffers - self._pool.num_free
+
+
+class TestingCache(VineyardLLMCache):
+    """The cache with what only tests (and the benchmarks) use: a blocking
+    :meth:`load`, a save told not to take a buffer, and views of the pool,
+    the backends and the resume points."""
+
+    __test__ = False  # not a test class, though named like one
+
+    _blocking_loads = itertools.count()
+
+    def load(
+        self,
+        digests: Sequence[bytes],
+        start: int,
+        end: int,
+        block_ids: Sequence[int],
+    ) -> int:
+        """Start a load and wait for it; returns the end of what was loaded
+        (less than ``end``: the rest must be recomputed)."""
+        req_id = f"__blocking_load_{next(self._blocking_loads)}"
+        self.loads.start(req_id, digests, start, end, block_ids)
+        self.loads.poll(wait=True)
+        results = self.loads.take_finished()
+        mine = [r for r in results if r[0] == req_id]
+        # Other loads that finished meanwhile are reported as usual.
+        self.loads._finished.extend(r for r in results if r[0] != req_id)
+        assert mine, "a blocking load did not finish"
+        return mine[0][1]
+
+    def save(
+        self, requests: Sequence[SaveRequest], may_take_buffer: bool = True
+    ) -> bool:
+        """``may_take_buffer=False`` skips as if the pool were empty (tensor
+        parallel peers skipping together)."""
+        if may_take_buffer:
+            return super().save(requests)
+        with mock.patch.object(self._pool, "get", return_value=None):
+            return super().save(requests)
+
+    def can_save(self) -> bool:
+        """Whether :meth:`save` would find a free buffer and a backend."""
+        return (
+            not self._closed
+            and self._pool.num_free > 0
+            and self._writer is not None
+            and self._writer.disabled_reason is None
+        )
+
+    @property
+    def pool(self) -> PoolCounts:
+        return PoolCounts(self._pool)
+
+    def backend_pids(self) -> dict[str, int | None]:
+        return {
+            "read": self._reader.pid if self._reader else None,
+            "write": self._writer.pid if self._writer else None,
+        }
+
+    @property
+    def _resume(self) -> dict[str, tuple[int, int]]:
+        """Per request: (the scheduler's save_from, the next token to save)."""
+        return self._saves._resume
+
+
+@contextlib.contextmanager
+def testing_caches() -> Iterator[None]:
+    """Connector workers registered within build :class:`TestingCache`\ s."""
+    with mock.patch(
+        "vllm.worker.vineyard.connector.worker.VineyardLLMCache", TestingCache
+    ):
+        yield
 
 
 def random_kv(
@@ -205,7 +320,7 @@ class CacheHarness:
     """A cache, the scheduler lookup of its namespace, and the paged KV it
     reads from and writes to."""
 
-    cache: VineyardLLMCache
+    cache: TestingCache
     lookups: VineyardCacheLookup
     kv: torch.Tensor  # [num_layers, num_blocks, heads, block_size, 2 * head]
     layout: KVCacheLayout
@@ -322,7 +437,8 @@ class CacheHarness:
     def reader_stats(self) -> None:
         """Collect the reader's counters now (they come with its replies)."""
         assert self.cache._reader is not None
-        self.cache.metrics.record(self.cache._reader.call("stats"))
+        reply = self.cache._reader.call(StatsRequest())
+        self.cache.metrics.record(reply.stats.counters)
 
     def counters(self) -> dict[str, int]:
         """Counters of the cache and its lookup since the last
@@ -350,11 +466,11 @@ def open_llm_cache(
     layout: KVCacheLayout,
     kv: torch.Tensor,
     max_num_batched_tokens: int,
-) -> VineyardLLMCache:
+) -> TestingCache:
     """A worker-side cache (backend processes and all) over ``kv``, every
     layer in one allocation as vLLM's CPU worker has it: ``[num_layers,
     num_blocks, heads, block_size, 2 * head_size]``."""
-    return VineyardLLMCache(
+    return TestingCache(
         config,
         layout,
         max_num_batched_tokens,

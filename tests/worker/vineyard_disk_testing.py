@@ -26,6 +26,7 @@ from tests.worker.vineyard_cache_testing import (
     MAX_NUM_BATCHED_TOKENS,
     NUM_KV_HEADS,
     NUM_LAYERS,
+    TestingCache,
     chunk_files,
     make_config,
     make_layout,
@@ -36,7 +37,7 @@ from vllm.worker.vineyard.storage.chunks import (
     extend_digests,
     synthetic_ids,
 )
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard_llm_cache import SaveRequest
 
 # The small model of the cache tests (chunks of two blocks), more blocks.
 NUM_BLOCKS = 256
@@ -54,7 +55,7 @@ class Harness:
     CPU layout ``[num_blocks, heads, block_size, 2 * head_size]`` per layer,
     with every layer in one allocation as vLLM's CPU worker has it."""
 
-    cache: VineyardLLMCache
+    cache: TestingCache
     kv: torch.Tensor  # [num_layers, num_blocks, heads, block, 2 * head]
     _baseline: dict[str, int] = field(default_factory=dict)
     _next_req: int = 0

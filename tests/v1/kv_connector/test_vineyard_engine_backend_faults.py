@@ -20,7 +20,7 @@ from tests.vineyard_engine_testing import (
     run_engine,
     standard_prompts,
 )
-from vllm.worker.vineyard.storage.root import MANIFEST
+from vllm.worker.vineyard.storage.namespaces import MANIFEST
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]

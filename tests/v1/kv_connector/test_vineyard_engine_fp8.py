@@ -20,7 +20,7 @@ from tests.vineyard_engine_testing import (
     random_tokens,
     run_engine,
 )
-from vllm.worker.vineyard.storage.root import scan_root
+from vllm.worker.vineyard.storage.scan import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

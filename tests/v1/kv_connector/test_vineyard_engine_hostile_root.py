@@ -32,7 +32,7 @@ from vllm.worker.vineyard.storage.chunks import (
     extend_digests,
     synthetic_ids,
 )
-from vllm.worker.vineyard.storage.root import scan_root
+from vllm.worker.vineyard.storage.scan import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

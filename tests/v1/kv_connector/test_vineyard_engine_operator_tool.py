@@ -31,7 +31,7 @@ from tests.vineyard_engine_testing import (
     saved_tokens,
 )
 from vllm.worker.vineyard.cli import main
-from vllm.worker.vineyard.storage.root import scan_root
+from vllm.worker.vineyard.storage.scan import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -26,6 +26,8 @@ from typing import Any
 ENABLE_VAR = "VLLM_USE_VINEYARD_CACHE"
 ENV_PREFIX = "VINEYARD_CACHE_"
 GiB = 1 << 30
+#: Most VINEYARD_CACHE_TTL_S may be (also in a root's own settings file).
+MAX_TTL_S = 1e9
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -185,7 +187,7 @@ class VineyardLLMCacheConfig:
         "Seconds after its last use (write or hit) when a chunk expires; 0: "
         "never (the disk limit still applies). Recorded in the root like the "
         "disk limit.",
-        _number(float, 0, True, 1e9),
+        _number(float, 0, True, MAX_TTL_S),
     )
     sweep_interval_s: float = _setting(
         "30",

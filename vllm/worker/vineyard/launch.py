@@ -33,10 +33,9 @@ def command(program: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), program]
 
 
-def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in PROGRAMS:
-        print(f"usage: {sys.argv[0]} {{{','.join(PROGRAMS)}}} ARGS...", file=sys.stderr)
-        return 2
+def stand_in_for_vllm() -> None:
+    """Make ``vllm`` an empty package rooted at this tree's ``vllm`` folder
+    (unless vLLM is imported already)."""
     here = os.path.dirname(os.path.realpath(__file__))
     # The script's folder is not a place to import from (its modules are
     # package modules).
@@ -45,6 +44,13 @@ def main() -> int:
         stand_in = types.ModuleType("vllm")
         stand_in.__path__ = [os.path.dirname(os.path.dirname(here))]
         sys.modules["vllm"] = stand_in
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in PROGRAMS:
+        print(f"usage: {sys.argv[0]} {{{','.join(PROGRAMS)}}} ARGS...", file=sys.stderr)
+        return 2
+    stand_in_for_vllm()
     program = importlib.import_module(PROGRAMS[sys.argv[1]])
     return int(program.main(sys.argv[2:]))
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from vllm.worker.vineyard.connector import lookups as vineyard_lookup
 from vllm.worker.vineyard.connector.lookups import (
     BackgroundLookups,
     VineyardCacheLookup,
@@ -88,7 +87,7 @@ def test_a_fast_lookup_is_answered_in_the_step_that_asks(
     """A lookup that finishes within the step's share of waiting is
     answered in that step (the share is widened here: a loaded test
     machine may not run the lookup thread within the real 5 ms)."""
-    monkeypatch.setattr(vineyard_lookup, "STEP_WAIT_S", 2.0)
+    monkeypatch.setattr("vllm.worker.vineyard.connector.lookups.STEP_WAIT_S", 2.0)
     lookups = make(gated, timeout_s=5.0)
     lookups.begin_step()
     assert ask(lookups, "fast", 100) == (99, 100)

@@ -35,6 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from tests.vineyard_testing import resume_processes, wait_for_writes
+from tests.worker.vineyard_cache_testing import TestingCache
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
@@ -44,7 +45,6 @@ from vllm.worker.vineyard.connector.metadata import (
 from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
 from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -101,7 +101,7 @@ def make_layout(tp_size: int = 1, tp_rank: int = 0) -> KVCacheLayout:
 @dataclass
 class WorkerHarness:
     """One TP rank: a :class:`VineyardConnectorWorker` whose cache is a real
-    :class:`VineyardLLMCache` (with its backend processes) over ``kv``.
+    cache (a :class:`TestingCache`, with its backend processes) over ``kv``.
 
     ``register_kv_caches`` needs vLLM's TP group; the tests set the cache
     the way it would, so everything after registration is the product's.
@@ -112,8 +112,8 @@ class WorkerHarness:
     layout: KVCacheLayout
 
     @property
-    def cache(self) -> VineyardLLMCache:
-        assert self.worker.cache is not None
+    def cache(self) -> TestingCache:
+        assert isinstance(self.worker.cache, TestingCache)
         return self.worker.cache
 
     def block(self, block_id: int) -> torch.Tensor:
@@ -148,7 +148,7 @@ def make_worker(
         MAX_NUM_BATCHED_TOKENS,
         NUM_BLOCKS,
     )
-    worker.cache = VineyardLLMCache(
+    worker.cache = TestingCache(
         config,
         layout,
         MAX_NUM_BATCHED_TOKENS,

@@ -59,6 +59,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.vineyard_testing import wait_for_writes
+from tests.worker.vineyard_cache_testing import TestingCache, testing_caches
 from vllm.worker.vineyard.connector.metadata import (
     RequestDelta,
     VineyardConnectorMetadata,
@@ -66,7 +67,6 @@ from vllm.worker.vineyard.connector.metadata import (
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
 NUM_LAYERS = 2
 NUM_HEADS = 4
@@ -319,8 +319,11 @@ class FakeWorker:
         )
         # register_kv_caches asks vLLM's TP group for the rank: TP 1 here.
         tp1 = SimpleNamespace(world_size=1, rank_in_group=0)
-        with mock.patch(
-            "vllm.worker.vineyard.connector.worker.get_tp_group", return_value=tp1
+        with (
+            mock.patch(
+                "vllm.worker.vineyard.connector.worker.get_tp_group", return_value=tp1
+            ),
+            testing_caches(),
         ):
             self.connector.register_kv_caches(
                 {name: self.kv[i] for i, name in enumerate(LAYER_NAMES)}
@@ -332,9 +335,9 @@ class FakeWorker:
         self.finished: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @property
-    def cache(self) -> VineyardLLMCache:
+    def cache(self) -> TestingCache:
         worker = self.connector._worker
-        assert worker is not None and worker.cache is not None
+        assert worker is not None and isinstance(worker.cache, TestingCache)
         return worker.cache
 
     @property

@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine-side handle of a vineyard backend process
 (:mod:`~vllm.worker.vineyard.backend.server`): it starts the process, sends it
-requests over a socket, waits for answers with a timeout, and restarts or
-disables a process that dies or stalls.
+requests over a socket (:mod:`~vllm.worker.vineyard.backend.protocol`),
+waits for answers with a timeout, and restarts or disables a process that
+dies or stalls.
 
 Imports neither vLLM nor torch.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -20,14 +20,15 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm.worker.vineyard import launch
-from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
+from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec, Request
 
 logger = logging.getLogger(__name__)
+
+ReplyT = TypeVar("ReplyT")
 
 #: Longest close() waits for a call or start that holds the handle after
 #: the process was killed (a kill ends them at once unless the process is
@@ -65,8 +66,7 @@ class BackendProcess:
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel)."""
         self.name = name
-        self._spec = spec
-        self._shm_fd = shm_fd
+        self._spec, self._shm_fd = spec, shm_fd
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
@@ -151,7 +151,7 @@ class BackendProcess:
             "--shm-fd",
             str(-1 if self._shm_fd is None else self._shm_fd),
             "--spec",
-            json.dumps(asdict(self._spec)),
+            self._spec.to_json(),
             "--parent-cpus",
             parent_cpus,
             "--nice",
@@ -268,7 +268,7 @@ class BackendProcess:
         self._stop_locked()
         return BackendError(f"{self.name} backend died (exit code {code}): {error}")
 
-    def send(self, *request: Any) -> None:
+    def send(self, request: Request[Any]) -> None:
         """Send a request; :meth:`receive` gets its answer. With
         ``restart_in_background`` a dead process is restarted on another
         thread, and calls fail at once until it is up."""
@@ -286,7 +286,7 @@ class BackendProcess:
                 conn.send(request)
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
-            self._in_flight = request[0]
+            self._in_flight = request.op
         finally:
             self._lock.release()
 
@@ -326,8 +326,10 @@ class BackendProcess:
             except (EOFError, OSError):
                 return True  # receive() reports it
 
-    def receive(self, timeout_s: float | None = None) -> Any:
-        """The answer to the request sent last."""
+    def receive(
+        self, reply_type: type[ReplyT], timeout_s: float | None = None
+    ) -> ReplyT:
+        """The answer to the request sent last, a ``reply_type``."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
         with self._lock:
             op, conn = self._in_flight, self._conn
@@ -346,12 +348,17 @@ class BackendProcess:
             self._in_flight = None
         if status != "ok":
             raise BackendError(f"{self.name} backend error: {payload}")
+        if not isinstance(payload, reply_type):
+            raise BackendError(
+                f"{self.name} backend answered {op!r} with a {type(payload).__name__}"
+            )
         return payload
 
-    def call(self, *request: Any, timeout_s: float | None = None) -> Any:
+    def call(self, request: Request[ReplyT], timeout_s: float | None = None) -> ReplyT:
         """Send one request and wait for its answer."""
-        self.send(*request)
-        return self.receive(timeout_s)
+        self.send(request)
+        reply: ReplyT = self.receive(request.reply_type, timeout_s)
+        return reply
 
     def close(self) -> None:
         """Stop the process, bounded whatever it is doing (starting,

@@ -1,18 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the engine and a backend process exchange: the spec a backend
-starts from, and the error every failed call raises."""
+starts from, the requests it serves and their replies (pickled over the
+process's socket, one class each), and the error every failed call raises.
+
+Every message on the socket is a status envelope: ``("ready", pid)`` once
+the backend has started (``("error", why)`` if it cannot), then for each
+request ``("ok", reply)`` or ``("error", why)``. The server dispatches on
+the request's type; :attr:`Request.op` names a request in errors.
+
+Imports neither vLLM nor torch: the backend processes run without them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from vllm.worker.vineyard.config import GiB, VineyardLLMCacheConfig
 
 
 class BackendError(RuntimeError):
     """The backend process failed, timed out, died or is disabled."""
 
 
+# --------------------------------------------------------------------------
+# The spec a backend starts from.
+# --------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
+class BackendSettings:
+    """The settings a backend keeps the root by, as the config has them
+    (the config table is their only home, hence no defaults here)."""
+
+    auth_key_file: str
+    group_access: bool
+    disk_limit_bytes: int
+    ttl_s: float
+    sweep_interval_s: float
+
+    @classmethod
+    def from_config(cls, config: VineyardLLMCacheConfig) -> BackendSettings:
+        return cls(
+            auth_key_file=config.auth_key_file,
+            group_access=config.group_access,
+            disk_limit_bytes=int(config.disk_limit_gb * GiB),
+            ttl_s=config.ttl_s,
+            sweep_interval_s=config.sweep_interval_s,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class BackendSpec:
     """Everything a backend needs to open its namespace and map the buffers.
 
@@ -21,18 +61,14 @@ class BackendSpec:
     the whole cache root (``cache_root``) within its budget.
     """
 
+    settings: BackendSettings
     root: str  # the namespace directory
     blocks_per_chunk: int
     entry_bytes: int
     max_blocks: int
     num_buffers: int
-    auth_key_file: str = ""
-    group_access: bool = False
     sweep: bool = False
     cache_root: str = ""
-    disk_limit_bytes: int = 0
-    ttl_s: float = 0.0
-    sweep_interval_s: float = 30.0
     # "lookup": the scheduler's lookups (by stat, of every TP rank's
     # namespace in ``lookup_roots``), in a process that can be abandoned
     # when the root hangs; no vineyard, no buffers.
@@ -42,3 +78,143 @@ class BackendSpec:
     @property
     def buffer_bytes(self) -> int:
         return self.max_blocks * self.entry_bytes
+
+    def to_json(self) -> str:
+        """The spec as the backend's command line carries it."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BackendSpec:
+        fields: dict[str, Any] = json.loads(text)
+        fields["settings"] = BackendSettings(**fields["settings"])
+        return cls(**fields)
+
+
+# --------------------------------------------------------------------------
+# Replies.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class BackendStats:
+    """What a cache backend counted since its last reply (counters, and the
+    sweeper's gauges), and the chunk files it removed meanwhile (corrupt,
+    expired, evicted)."""
+
+    counters: dict[str, int]
+    removed_paths: list[str] = field(default_factory=list)
+
+
+@dataclass
+class UpdateReply:
+    """Per segment: the entries vineyard holds now, and the reason of a
+    write error (``None`` when the rest was only refused for want of its
+    prefix)."""
+
+    stored: list[tuple[int, str | None]]
+    stats: BackendStats
+
+
+@dataclass
+class QueryReply:
+    """How many entries of the query were read and verified (whole
+    chunks)."""
+
+    verified: int
+    stats: BackendStats
+
+
+@dataclass
+class StatsReply:
+    stats: BackendStats
+
+
+@dataclass
+class LookupReply:
+    """How many leading chunks every rank holds, and the lookup's counts."""
+
+    cached: int
+    counts: dict[str, int]
+
+
+@dataclass
+class PingReply:
+    pid: int
+
+
+# --------------------------------------------------------------------------
+# Requests.
+# --------------------------------------------------------------------------
+
+ReplyT = TypeVar("ReplyT")
+
+
+class Request(Generic[ReplyT]):
+    """A request whose reply is a ``ReplyT`` (:attr:`reply_type` at run
+    time); :attr:`op` names it in errors."""
+
+    op: ClassVar[str]
+    reply_type: ClassVar[type[Any]]
+
+
+@dataclass(frozen=True)
+class WriteSegment:
+    """Consecutive blocks of one request, staged in a buffer from entry
+    ``first_slot`` on, after the blocks ``prefix_ids``."""
+
+    first_slot: int
+    prefix_ids: list[int]
+    ids: list[int]  # vineyard ids of its blocks
+    digests: list[bytes]  # their chained digests (sealed into trailers)
+
+
+@dataclass(frozen=True)
+class UpdateRequest(Request[UpdateReply]):
+    """Seal and write the segments staged in buffer ``buffer_id``."""
+
+    op: ClassVar[str] = "update"
+    reply_type: ClassVar[type[Any]] = UpdateReply
+    buffer_id: int
+    segments: list[WriteSegment]
+
+
+@dataclass(frozen=True)
+class QueryRequest(Request[QueryReply]):
+    """Read the cached leading chunks of ``ids`` (which follow ``prefix``)
+    into buffer ``buffer_id`` from entry 0 and verify them; a hit is a use
+    of them, and with ``touch_prefix`` of the prefix's chunks too."""
+
+    op: ClassVar[str] = "query"
+    reply_type: ClassVar[type[Any]] = QueryReply
+    buffer_id: int
+    prefix: list[int]
+    ids: list[int]
+    digests: list[bytes]
+    touch_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class StatsRequest(Request[StatsReply]):
+    """What the backend counted since its last reply."""
+
+    op: ClassVar[str] = "stats"
+    reply_type: ClassVar[type[Any]] = StatsReply
+
+
+@dataclass(frozen=True)
+class LookupRequest(Request[LookupReply]):
+    """How many of the first ``max_chunks`` chunks of ``ids`` every rank
+    holds (a lookup process's only request)."""
+
+    op: ClassVar[str] = "lookup"
+    reply_type: ClassVar[type[Any]] = LookupReply
+    ids: list[int]
+    max_chunks: int
+
+
+@dataclass(frozen=True)
+class PingRequest(Request[PingReply]):
+    """Whether the backend serves (it answers its pid)."""
+
+    op: ClassVar[str] = "ping"
+    reply_type: ClassVar[type[Any]] = PingReply

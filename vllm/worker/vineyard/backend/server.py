@@ -9,10 +9,13 @@ Every vineyard call therefore runs in a process of its own, started with
 ``subprocess`` (vLLM's workers are daemonic and may not use
 ``multiprocessing``). KV bytes live in shared memory (a ``memfd`` that both
 processes map); only small descriptors (buffer slot, block ids) cross the
-socket. The backend also seals (write) and verifies (read) every entry
+socket, as the requests and replies of
+:mod:`~vllm.worker.vineyard.backend.protocol` (dispatched on their type).
+The backend also seals (write) and verifies (read) every entry
 (:mod:`~vllm.worker.vineyard.storage.chunks`), and the writer sweeps the
 root (:mod:`~vllm.worker.vineyard.storage.sweeper`), so none of that work
-runs on the engine's threads either.
+runs on the engine's threads either. vineyard's KV cache is opened by
+:mod:`~vllm.worker.vineyard.backend.vineyard_kv`.
 
 Started through :mod:`vllm.worker.vineyard.launch`, so that a backend never
 imports vLLM or torch and starts in a fraction of a second.
@@ -22,147 +25,75 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import json
 import logging
 import mmap
 import os
 import signal
 import stat
-import sys
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vllm.worker.vineyard.backend.protocol import BackendSpec
+from vllm.worker.vineyard.backend.protocol import (
+    BackendSpec,
+    BackendStats,
+    LookupReply,
+    LookupRequest,
+    PingReply,
+    PingRequest,
+    QueryReply,
+    QueryRequest,
+    StatsReply,
+    StatsRequest,
+    UpdateReply,
+    UpdateRequest,
+)
+from vllm.worker.vineyard.backend.vineyard_kv import import_vineyard_llm, open_kv_cache
+from vllm.worker.vineyard.backend.write_errors import (
+    release_failed_temp_files,
+    write_error_reason,
+)
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage import chunks, sweeper
-from vllm.worker.vineyard.storage import root as root_format
+from vllm.worker.vineyard.storage.lookup import count_cached_chunks
 
 logger = logging.getLogger(__name__)
 
-YEAR_S = 365 * 24 * 3600
+#: What a cache backend counts (sent with every reply, then reset).
+_COUNTERS = (
+    "bytes_read",
+    "bytes_written",
+    "corrupt_chunks",
+    "path_collisions",
+    "write_errors",
+)
 
 
-# --------------------------------------------------------------------------
-# Backend process side (no vLLM, no torch).
-# --------------------------------------------------------------------------
-
-
-_REGISTRY_VAR = "__VINEYARD_INTERNAL_REGISTRY"
-
-
-def _import_vineyard_llm() -> Any:
-    """``vineyard.llm`` without the rest of vineyard.
-
-    vineyard's package ``__init__`` imports pandas, pyarrow and its
-    deployment tools: over a second of CPU in every backend process, for
-    nothing the file-mode KV cache uses. Its extension needs only vineyard's
-    object registry, whose path vineyard's ``__init__`` passes in
-    ``__VINEYARD_INTERNAL_REGISTRY`` while it loads its extensions; this
-    does the same with an empty package module. Anywhere that layout is
-    missing (another vineyard build), the full import.
-    """
-    if "vineyard" not in sys.modules:
-        spec = importlib.util.find_spec("vineyard")
-        locations = spec.submodule_search_locations if spec else None
-        registry = (
-            os.path.join(locations[0], "libvineyard_internal_registry.so")
-            if locations
-            else ""
-        )
-        if spec is not None and registry and os.path.isfile(registry):
-            sys.modules["vineyard"] = importlib.util.module_from_spec(spec)
-            before = os.environ.get(_REGISTRY_VAR)
-            os.environ[_REGISTRY_VAR] = registry
-            try:
-                import vineyard.llm  # noqa: F401 - the package body is skipped
-            except ImportError:
-                for name in [m for m in sys.modules if m.split(".")[0] == "vineyard"]:
-                    del sys.modules[name]
-            finally:
-                if before is None:
-                    del os.environ[_REGISTRY_VAR]
-                else:
-                    os.environ[_REGISTRY_VAR] = before
-    import vineyard.llm
-
-    return vineyard.llm
-
-
-def _write_error_reason(
-    path: str, need_bytes: int, leaked_files: int = 1
-) -> str | None:
-    """Why a write failed: vineyard swallows the errno, so ask the
-    filesystem what it most likely was. ``None``: not the filesystem.
-
-    A write that failed in the filesystem leaves vineyard's temp file open
-    (``leaked_files``). A failure with neither a leaked file nor a full or
-    unwritable root is a race with another process on the same root (a
-    writer of the same chunks, a sweeper evicting the prefix and another
-    writer putting it back): vineyard has no locking. That is a refusal,
-    not an error: the chunk is someone else's to write or is written again
-    when a request needs it."""
-    try:
-        st = os.statvfs(path)
-    except OSError as e:
-        return f"cache root unusable ({e})"
-    if not os.path.isdir(path):
-        return "cache root unusable (not a directory)"
-    if st.f_bavail * st.f_frsize < need_bytes:
-        return "no space left on device (ENOSPC)"
-    if not os.access(path, os.W_OK):
-        return "cache root not writable"
-    if not leaked_files:
-        return None
-    return "write failed (I/O error or quota; vineyard does not report errno)"
-
-
-def _release_failed_temp_files(temp_dir: str) -> int:
-    """Close and delete the temp files of writes that failed.
-
-    When a chunk write fails (ENOSPC, EIO), vineyard returns without closing
-    the temp file it was writing: the descriptor leaks, and with it the
-    space the partial file holds, even after the file is deleted. On a disk
-    that stays full, one leaks per failed chunk until the process runs out
-    of descriptors (and then cannot read either). Vineyard opens and closes
-    every file within a call, so after ``update`` returns any descriptor of
-    this process still open on a file under its temp folder is such a leak.
-    Returns how many were released."""
-    prefix = temp_dir.rstrip(os.sep) + os.sep
-    released = 0
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0  # no procfs: nothing to find
-    for name in fds:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if not target.startswith(prefix):
-            continue
-        try:
-            os.close(int(name))
-        except OSError:
-            continue
-        released += 1
-        path = target.removesuffix(" (deleted)")
-        if path != target:
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # a partial file: the retry writes it anew
-    return released
+def _start_sweeper(spec: BackendSpec) -> Any:
+    """The writer's sweeper of the whole cache root, started."""
+    settings = spec.settings
+    root_sweeper = sweeper.RootSweeper(
+        spec.cache_root,
+        settings.disk_limit_bytes,
+        settings.ttl_s,
+        settings.sweep_interval_s,
+        settings.group_access,
+    )
+    root_sweeper.start()
+    return root_sweeper
 
 
 class _VineyardServer:
+    """A reader or writer: vineyard's KV cache over the shared buffers,
+    sealing what it writes and verifying what it reads."""
+
     def __init__(self, spec: BackendSpec, shm: mmap.mmap):
         import numpy as np
 
-        llm = _import_vineyard_llm()
+        llm = import_vineyard_llm()
 
         # Owner-only unless the operator shares the cache with a group.
-        os.umask(0o007 if spec.group_access else 0o077)
+        os.umask(0o007 if spec.settings.group_access else 0o077)
         self._spec = spec
         os.makedirs(spec.root, exist_ok=True)
         self._entries = np.frombuffer(shm, np.uint8).reshape(
@@ -175,77 +106,32 @@ class _VineyardServer:
             spec.root, spec.blocks_per_chunk, spec.entry_bytes
         )
         self._sealer = chunks.Sealer(
-            chunks.load_auth_key(spec.auth_key_file), os.path.basename(spec.root)
+            chunks.load_auth_key(spec.settings.auth_key_file),
+            os.path.basename(spec.root),
         )
-        # Expiry and eviction are the sweeper's (by last use, across every
-        # process): vineyard's own TTL counts from the write and only for
-        # the process that wrote, so it is switched off.
-        config = llm.FileCacheConfig(
-            chunk_size=spec.blocks_per_chunk,
-            root=spec.root,
-            gc_interval=YEAR_S,
-            ttl=10 * YEAR_S,
+        self._cache, self._kv_lists = open_kv_cache(
+            llm, spec, int(self._entries.ctypes.data)
         )
-        half = spec.entry_bytes // 2
-        self._cache = llm.KVCache(
-            config, tensor_nbytes=half, cache_capacity=spec.max_blocks, layer=1
-        )
-        # One vineyard entry per block: K and V are the two halves of it.
-        # Building these lists is slow, so once per buffer.
-        base = int(self._entries.ctypes.data)
-        self._kv_lists = [
-            [
-                [(llm.KVTensor(ptr, half), llm.KVTensor(ptr + half, half))]
-                for ptr in range(
-                    base + b * spec.buffer_bytes,
-                    base + (b + 1) * spec.buffer_bytes,
-                    spec.entry_bytes,
-                )
-            ]
-            for b in range(spec.num_buffers)
-        ]
-        self._stats = dict.fromkeys(
-            (
-                "bytes_read",
-                "bytes_written",
-                "corrupt_chunks",
-                "path_collisions",
-                "write_errors",
-            ),
-            0,
-        )
+        self._stats = dict.fromkeys(_COUNTERS, 0)
         self._removed: list[str] = []  # corrupt chunk files removed
         self._log = LogLimiter(logger)
-        self._sweeper: Any = None
-        if spec.sweep:
-            self._sweeper = sweeper.RootSweeper(
-                spec.cache_root,
-                spec.disk_limit_bytes,
-                spec.ttl_s,
-                spec.sweep_interval_s,
-                spec.group_access,
-            )
-            self._sweeper.start()
+        self._sweeper: Any = _start_sweeper(spec) if spec.sweep else None
 
-    def update(
-        self,
-        buffer_id: int,
-        segments: list[tuple[int, list[int], list[int], list[bytes]]],
-    ) -> dict[str, Any]:
-        """Seal and write segments ``(first_slot, prefix ids, ids,
-        digests)``. Returns, per segment, the entries vineyard holds now and
-        the reason of a write error (None when the rest was only refused
-        for want of its prefix)."""
-        views = self._views[buffer_id]
-        kv_list = self._kv_lists[buffer_id]
+    def update(self, request: UpdateRequest) -> UpdateReply:
+        """Seal and write the request's segments. Returns, per segment, the
+        entries vineyard holds now and the reason of a write error (None
+        when the rest was only refused for want of its prefix)."""
+        views = self._views[request.buffer_id]
+        kv_list = self._kv_lists[request.buffer_id]
         bpc = self._spec.blocks_per_chunk
         results: list[tuple[int, str | None]] = []
-        for first, prefix, ids, digests in segments:
-            ids = ids[: self._clear_chunk_paths(prefix, ids)]
+        for segment in request.segments:
+            first, prefix = segment.first_slot, segment.prefix_ids
+            ids = segment.ids[: self._clear_chunk_paths(prefix, segment.ids)]
             if not ids:  # another prefix's chunk comes first: all refused
                 results.append((0, None))
                 continue
-            for i, digest in enumerate(digests):
+            for i, digest in enumerate(segment.digests):
                 self._sealer.seal(views[first + i], digest)
             # The disk limit holds at every write: room for the chunks not
             # on disk yet is made before they are written (see the sweeper).
@@ -266,17 +152,17 @@ class _VineyardServer:
             ):  # fmt: skip
                 failed = prefix + ids[: stored + bpc]
                 if not self._files.is_complete(failed):
-                    leaked = _release_failed_temp_files(
+                    leaked = release_failed_temp_files(
                         os.path.join(self._spec.root, "__temp")
                     )
-                    error = _write_error_reason(
+                    error = write_error_reason(
                         self._spec.root, self._files.file_bytes(len(failed)), leaked
                     )
                     if error is not None:
                         self._stats["write_errors"] += 1
             self._stats["bytes_written"] += stored * self._spec.entry_bytes
             results.append((stored, error))
-        return {"stored": results, "stats": self.take_stats()}
+        return UpdateReply(results, self.take_stats())
 
     def _chunk_entries(
         self, prefix: list[int], ids: list[int]
@@ -317,8 +203,8 @@ class _VineyardServer:
                     os.unlink(path)  # the link itself, never its target
             except OSError:
                 pass  # then vineyard's write of it fails, counted as such
-            self._stats["corrupt_chunks"] += 1
-            self._log.warning(
+            self._count_bad(
+                "corrupt_chunks",
                 "irregular",
                 "vineyard cache: removed what is not a chunk at a chunk path: %s",
                 path,
@@ -334,8 +220,8 @@ class _VineyardServer:
             if mode is None:
                 break  # missing: vineyard's read stops there anyway
             if not stat.S_ISREG(mode):
-                self._stats["corrupt_chunks"] += 1
-                self._log.warning(
+                self._count_bad(
+                    "corrupt_chunks",
                     "irregular",
                     "vineyard cache: no regular file at a chunk path, not read: %s",
                     path,
@@ -343,28 +229,22 @@ class _VineyardServer:
                 return end - bpc
         return len(ids)
 
-    def query(
-        self,
-        buffer_id: int,
-        prefix: list[int],
-        ids: list[int],
-        digests: list[bytes],
-        touch_prefix: bool = False,
-    ) -> dict[str, Any]:
-        """Read the cached leading chunks of ``ids`` (which follow
-        ``prefix``) into the buffer from slot 0 and verify every entry.
-        Returns the number of verified entries (whole chunks); a chunk that
-        fails verification, or that vineyard cannot read though it is on
-        disk, is deleted and counted, unless it is another prefix's valid
-        chunk (a hash collision: counted, left in place)."""
-        views = self._views[buffer_id]
+    def query(self, request: QueryRequest) -> QueryReply:
+        """Read the cached leading chunks of the request's ``ids`` (which
+        follow ``prefix``) into the buffer from slot 0 and verify every
+        entry. Returns the number of verified entries (whole chunks); a
+        chunk that fails verification, or that vineyard cannot read though
+        it is on disk, is deleted and counted, unless it is another
+        prefix's valid chunk (a hash collision: counted, left in place)."""
+        prefix, ids, digests = request.prefix, request.ids, request.digests
+        views = self._views[request.buffer_id]
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
             chunks.Sealer.clear(view)
         # vineyard opens what it finds at a chunk's path, following links
         # and blocking on a FIFO: read only up to the first such entry.
         ids = ids[: self._regular_chunks(prefix, ids)]
-        kv = self._kv_lists[buffer_id][: len(ids)]
+        kv = self._kv_lists[request.buffer_id][: len(ids)]
         found = int(self._cache.query(prefix, ids, kv)) if ids else 0
         found = min(found, len(ids)) // bpc * bpc
         self._stats["bytes_read"] += found * self._spec.entry_bytes
@@ -374,91 +254,128 @@ class _VineyardServer:
         ):
             verified += 1
         good = verified // bpc * bpc
-        bad_end = None
         if good < found:  # failed verification
-            # A valid block of another prefix that has this block's id
-            # (vineyard keys blocks by these 31-bit ids alone) is no damage;
-            # a block under an id not its own (a forged header) is.
-            view = views[verified]
-            claimed = chunks.Sealer.digest_of(view)
-            if (
-                claimed != digests[verified]
-                and chunks.synthetic_id(claimed) == ids[verified]
-                and self._sealer.verify(view, claimed)
-            ):
-                self._collision(prefix + ids[: good + bpc])
-            else:
-                bad_end = good + bpc
-        elif found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc]):
-            # On disk at its full size, yet vineyard did not read it: the
-            # chunk of another prefix at the same path (a collision, left
-            # alone), a damaged one (removed), or one this process cannot
-            # open now (another instance's group, a stale handle, out of
-            # descriptors: not bad, left alone).
-            end = found + bpc
-            try:
-                if self._files.holds_other_prefix(prefix + ids[:end]):
-                    self._collision(prefix + ids[:end])
-                else:
-                    bad_end = end
-            except OSError as e:
-                self._log.warning(
-                    "unreadable",
-                    "vineyard cache chunk could not be read (left in place): %s: %s",
-                    self._files.path(prefix + ids[:end]),
-                    e,
-                )
+            bad_end = self._failed_chunk(prefix, ids, digests, views, verified)
+        else:
+            bad_end = self._unread_chunk(prefix, ids, found)
         if bad_end is not None:
-            if self._files.remove(prefix + ids[:bad_end]):
-                self._removed.append(self._files.path(prefix + ids[:bad_end]))
-            self._stats["corrupt_chunks"] += 1
-            self._log.warning(
-                "corrupt",
-                "vineyard cache chunk failed verification and was removed "
-                "(it will be recomputed and written again): %s",
-                self._files.path(prefix + ids[:bad_end]),
-            )
+            self._remove_corrupt(prefix + ids[:bad_end])
         # A hit is a use: it keeps these chunks from eviction and expiry,
         # and (``touch_prefix``) the chunks before them that vLLM's own
         # prefix cache served this time, so LRU follows every use.
-        first = 0 if touch_prefix and good else len(prefix) // bpc
+        first = 0 if request.touch_prefix and good else len(prefix) // bpc
         self._files.touch(prefix + ids, first, (len(prefix) + good) // bpc - first)
-        return {"verified": good, "stats": self.take_stats()}
+        return QueryReply(good, self.take_stats())
+
+    def _failed_chunk(
+        self,
+        prefix: list[int],
+        ids: list[int],
+        digests: list[bytes],
+        views: list[memoryview],
+        verified: int,
+    ) -> int | None:
+        """The end of the chunk whose entry ``verified`` failed verification
+        if it is damaged; ``None`` if it is another prefix's (a collision)."""
+        bpc = self._spec.blocks_per_chunk
+        good = verified // bpc * bpc
+        # A valid block of another prefix that has this block's id
+        # (vineyard keys blocks by these 31-bit ids alone) is no damage;
+        # a block under an id not its own (a forged header) is.
+        view = views[verified]
+        claimed = chunks.Sealer.digest_of(view)
+        if (
+            claimed != digests[verified]
+            and chunks.synthetic_id(claimed) == ids[verified]
+            and self._sealer.verify(view, claimed)
+        ):
+            self._collision(prefix + ids[: good + bpc])
+            return None
+        return good + bpc
+
+    def _unread_chunk(
+        self, prefix: list[int], ids: list[int], found: int
+    ) -> int | None:
+        """The end of the chunk after the ``found`` entries if it is on disk
+        at its full size and damaged, though vineyard did not read it;
+        else ``None``."""
+        bpc = self._spec.blocks_per_chunk
+        if not (
+            found < len(ids) and self._files.is_complete(prefix + ids[: found + bpc])
+        ):
+            return None
+        # On disk at its full size, yet vineyard did not read it: the
+        # chunk of another prefix at the same path (a collision, left
+        # alone), a damaged one (removed), or one this process cannot
+        # open now (another instance's group, a stale handle, out of
+        # descriptors: not bad, left alone).
+        end = found + bpc
+        try:
+            if self._files.holds_other_prefix(prefix + ids[:end]):
+                self._collision(prefix + ids[:end])
+                return None
+            return end
+        except OSError as e:
+            self._log.warning(
+                "unreadable",
+                "vineyard cache chunk could not be read (left in place): %s: %s",
+                self._files.path(prefix + ids[:end]),
+                e,
+            )
+            return None
+
+    def _remove_corrupt(self, ids: list[int]) -> None:
+        """Remove the damaged chunk file of ``ids`` (counted, reported)."""
+        if self._files.remove(ids):
+            self._removed.append(self._files.path(ids))
+        self._count_bad(
+            "corrupt_chunks",
+            "corrupt",
+            "vineyard cache chunk failed verification and was removed "
+            "(it will be recomputed and written again): %s",
+            self._files.path(ids),
+        )
 
     def _collision(self, ids: list[int]) -> None:
         """The chunk at the path of ``ids`` is another prefix's, valid:
         this prefix neither loads nor writes it, and the file stays."""
-        self._stats["path_collisions"] += 1
-        self._log.warning(
+        self._count_bad(
+            "path_collisions",
             "collision",
             "vineyard cache chunk of another prefix at this prefix's path "
             "(a hash collision; left in place, the tokens are recomputed): %s",
             self._files.path(ids),
         )
 
-    def take_stats(self) -> dict[str, Any]:
-        """Counters since the last call, and ``removed_paths``: the chunk
-        files removed meanwhile (corrupt, expired, evicted)."""
-        stats: dict[str, Any] = self._stats
+    def _count_bad(self, counter: str, kind: str, msg: str, path: str) -> None:
+        """Count a chunk path found bad, and say which (rate-limited by
+        ``kind``)."""
+        self._stats[counter] += 1
+        self._log.warning(kind, msg, path)
+
+    def take_stats(self) -> BackendStats:
+        """Counters since the last call, and the chunk files removed
+        meanwhile (corrupt, expired, evicted)."""
+        counters = self._stats
         self._stats = dict.fromkeys(self._stats, 0)
         removed, self._removed = self._removed, []
         if self._sweeper is not None:
-            stats.update(self._sweeper.take_stats())
+            counters.update(self._sweeper.take_stats())
             removed += self._sweeper.take_removed()
-        stats["removed_paths"] = removed
-        return stats
+        return BackendStats(counters, removed)
 
-    def handle(self, request: tuple[Any, ...]) -> Any:
-        op = request[0]
-        if op == "update":
-            return self.update(request[1], request[2])
-        if op == "query":
-            return self.query(*request[1:])
-        if op == "stats":
-            return self.take_stats()
-        if op == "ping":
-            return os.getpid()
-        raise ValueError(f"unknown backend request {op!r}")
+    def handle(
+        self, request: object
+    ) -> UpdateReply | QueryReply | StatsReply | PingReply:
+        if isinstance(request, UpdateRequest):
+            return self.update(request)
+        if isinstance(request, QueryRequest):
+            return self.query(request)
+        if isinstance(request, StatsRequest):
+            return StatsReply(self.take_stats())
+        if isinstance(request, PingRequest):
+            return PingReply(os.getpid())
+        raise ValueError(f"unknown backend request {request!r}")
 
 
 class _LookupServer:
@@ -473,17 +390,16 @@ class _LookupServer:
         ]
         self._log = LogLimiter(logger)
 
-    def handle(self, request: tuple[Any, ...]) -> Any:
-        op = request[0]
-        if op == "lookup":
+    def handle(self, request: object) -> LookupReply | PingReply:
+        if isinstance(request, LookupRequest):
             counts: dict[str, int] = {}
-            cached = root_format.count_cached_chunks(
-                self._rank_files, request[1], request[2], counts, self._log
+            cached = count_cached_chunks(
+                self._rank_files, request.ids, request.max_chunks, counts, self._log
             )
-            return {"cached": cached, "stats": counts}
-        if op == "ping":
-            return os.getpid()
-        raise ValueError(f"unknown lookup request {op!r}")
+            return LookupReply(cached, counts)
+        if isinstance(request, PingRequest):
+            return PingReply(os.getpid())
+        raise ValueError(f"unknown lookup request {request!r}")
 
 
 def _widen_affinity(parent_cpus: list[int]) -> None:
@@ -522,7 +438,7 @@ def main(argv: list[str]) -> int:
     if args.nice:
         os.nice(args.nice)
 
-    spec = BackendSpec(**json.loads(args.spec))
+    spec = BackendSpec.from_json(args.spec)
     conn = Connection(args.conn_fd)
     server: _VineyardServer | _LookupServer
     try:

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What the cached bytes depend on (:class:`KVCacheLayout`, the namespace)
-and the scheduler's lookup (:class:`VineyardCacheLookup`), which learns how
-much of a prompt is cached from file metadata alone: no KV is read and no
-backend process is involved."""
+"""The scheduler's lookups: :class:`VineyardCacheLookup` learns how much of a
+prompt every TP rank's namespace holds from file metadata alone (no KV is
+read), in lookup processes that can be abandoned when the root hangs;
+:class:`BackgroundLookups` runs them off the scheduler's thread, each with a
+deadline."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.worker.vineyard.backend.client import BackendProcess
-from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
+from vllm.worker.vineyard.backend.protocol import (
+    BackendError,
+    BackendSettings,
+    BackendSpec,
+    LookupRequest,
+)
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
@@ -23,7 +29,7 @@ from vllm.worker.vineyard.storage.chunks import (
     synthetic_ids,
 )
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard.storage.root import count_cached_chunks
+from vllm.worker.vineyard.storage.lookup import count_cached_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +116,7 @@ class VineyardCacheLookup:
     def _start_process(self) -> BackendProcess:
         files = self._files[0]
         spec = BackendSpec(
+            settings=BackendSettings.from_config(self.config),
             root=files.root,
             blocks_per_chunk=files.blocks_per_chunk,
             entry_bytes=files.entry_bytes,
@@ -163,9 +170,9 @@ class VineyardCacheLookup:
             )
         else:
             reply = self._process().call(
-                "lookup", ids, max_chunks, timeout_s=self.config.backend_timeout_s
+                LookupRequest(ids, max_chunks), timeout_s=self.config.backend_timeout_s
             )
-            cached, counts = reply["cached"], reply["stats"]
+            cached, counts = reply.cached, reply.counts
         self.metrics.record(counts)
         hit_end = min(cached * bpc, want_blocks) * bs
         return max(0, hit_end - num_local_tokens), cached * self.chunk_size

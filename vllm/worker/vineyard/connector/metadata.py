@@ -20,8 +20,8 @@ from vllm.worker.vineyard.storage.layout import KVCacheLayout
 @dataclass
 class RequestDelta:
     """A scheduled request's news for this step. Blocks are named by their
-    chained digests (see :mod:`vineyard_store`), sent once each, so a decode
-    step costs a few integers."""
+    chained digests (see :mod:`~vllm.worker.vineyard.storage.chunks`), sent
+    once each, so a decode step costs a few integers."""
 
     req_id: str
     new_digests: list[bytes]  # appended to the digests the worker has

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What besides its token ids determines a request's KV, as the cache's
-block digests carry it (see :func:`vineyard_store.extend_digests`).
+block digests carry it (see
+:func:`~vllm.worker.vineyard.storage.chunks.extend_digests`).
 
 - ``cache_salt``: the digest chain starts from it.
 - A LoRA adapter: its name, path and a fingerprint of its files (config

@@ -10,7 +10,7 @@ asynchronous: a request with a hit waits in ``WAITING_FOR_REMOTE_KVS``
 while others run, until its workers report the load finished. Blocks are
 named by chained digests of their token ids and whatever else determines
 their KV (``cache_salt``, a LoRA adapter, multimodal items, prompt
-embeddings: :mod:`vineyard_request_keys`), computed here once and sent to
+embeddings: :mod:`.request_keys`), computed here once and sent to
 the workers as deltas.
 
 The scheduler owns every decision: what each request loads, where its saves
@@ -45,7 +45,8 @@ from vllm.worker.vineyard.connector.metadata import (
 from vllm.worker.vineyard.connector.request_keys import RequestKeys, request_keys
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.chunks import extend_digests
-from vllm.worker.vineyard.storage.root import remove_file, scan_root
+from vllm.worker.vineyard.storage.removal import remove_file
+from vllm.worker.vineyard.storage.scan import scan_root
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -313,6 +314,15 @@ class VineyardConnectorScheduler:
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
         self._lookup.begin_step()
+        meta.requests.extend(self._scheduled_deltas(scheduler_output))
+        meta.requests.extend(self._load_deltas())
+        return meta
+
+    def _scheduled_deltas(
+        self, scheduler_output: SchedulerOutput
+    ) -> list[RequestDelta]:
+        """What the workers need of each scheduled request: its new blocks
+        and the digests of its chunks completed in this step."""
         new_blocks: dict[str, tuple[list[int], bool]] = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             new_blocks[new_req.req_id] = (list(new_req.block_ids[0]), True)
@@ -323,25 +333,23 @@ class VineyardConnectorScheduler:
                 list(block_ids[0]) if block_ids else [],
                 req_id in cached.resumed_req_ids,
             )
-        chunk, bs = self.chunk_size, self.block_size
+        deltas = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None or state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
-            request = state.request
-            num_computed = request.num_computed_tokens + num_scheduled
+            num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
             replace = replace or state.blocks_replaced
             if self._windowed:
                 state.held_from = self._held_from(
                     scheduler_output, req_id, 0 if replace else state.held_from
                 )
-            # The digests of completed chunks.
-            needed = num_computed // chunk * chunk
-            meta.requests.append(
+            needed = num_computed // self.chunk_size * self.chunk_size
+            deltas.append(
                 RequestDelta(
                     req_id=req_id,
-                    new_digests=state.take_digests(needed, bs),
+                    new_digests=state.take_digests(needed, self.block_size),
                     block_ids=blocks,
                     replace_blocks=replace,
                     num_computed_tokens=num_computed,
@@ -350,16 +358,23 @@ class VineyardConnectorScheduler:
                 )
             )
             state.blocks_replaced = False
+        return deltas
+
+    def _load_deltas(self) -> list[RequestDelta]:
+        """Requests allocated this step and waiting for their KV: the
+        workers load it (every chunk a load reads, a chunk it ends inside
+        included)."""
+        chunk, deltas = self.chunk_size, []
         for req_id, state in self._requests.items():
             if state.load is None:
                 continue
-            # Allocated this step, waiting for its KV: the workers load it
-            # (every chunk a load reads, a chunk it ends inside included).
             start, end = state.load
-            meta.requests.append(
+            deltas.append(
                 RequestDelta(
                     req_id=req_id,
-                    new_digests=state.take_digests(-(-end // chunk) * chunk, bs),
+                    new_digests=state.take_digests(
+                        -(-end // chunk) * chunk, self.block_size
+                    ),
                     block_ids=state.load_blocks,
                     replace_blocks=True,
                     num_computed_tokens=start,
@@ -369,7 +384,7 @@ class VineyardConnectorScheduler:
                 )
             )
             state.loading, state.load = state.load, None
-        return meta
+        return deltas
 
     @staticmethod
     def _held_from(scheduler_output: SchedulerOutput, req_id: str, known: int) -> int:

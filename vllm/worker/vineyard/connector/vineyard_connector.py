@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``VineyardConnector``: vLLM V1's KV-connector hooks, forwarded to the
-scheduler side (:mod:`vineyard_connector_scheduler`) or the worker side
-(:mod:`vineyard_connector_worker`) by role."""
+scheduler side (:mod:`.scheduler`) or the worker side (:mod:`.worker`) by
+role."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -31,8 +32,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
+from vllm.worker.vineyard.connector.stats import (
+    VineyardConnectorStats,
+    VineyardPromMetrics,
+)
 from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
-from vllm.worker.vineyard.metrics import VineyardConnectorStats, VineyardPromMetrics
 from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
 from vllm.worker.vineyard.storage.layout import (
     KVCacheLayout,
@@ -115,26 +119,7 @@ class VineyardConnector(KVConnectorBase_V1):
         self._scheduler: VineyardConnectorScheduler | None = None
         self._worker: VineyardConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            policy = self._kv_transfer_config.kv_load_failure_policy
-            if policy != "recompute":
-                # A cache is best-effort: a chunk evicted or found corrupt
-                # between lookup and load is recomputed, never a failure.
-                logger.info(
-                    "%s sets kv_load_failure_policy=recompute (was %s)",
-                    CONNECTOR_NAME,
-                    policy,
-                )
-                self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            events = vllm_config.kv_events_config
-            self._scheduler = VineyardConnectorScheduler(
-                self.config,
-                self.block_size,
-                self.chunk_size,
-                vllm_config.parallel_config.tensor_parallel_size,
-                publish_events=bool(events and events.enable_kv_cache_events),
-                windowed=isinstance(spec, SlidingWindowSpec),
-                cache_off=self._cache_off,
-            )
+            self._scheduler = self._make_scheduler(vllm_config, spec)
         else:
             self._worker = VineyardConnectorWorker(
                 self.config,
@@ -142,6 +127,30 @@ class VineyardConnector(KVConnectorBase_V1):
                 vllm_config.scheduler_config.max_num_batched_tokens,
                 kv_cache_config.num_blocks,
             )
+
+    def _make_scheduler(
+        self, vllm_config: VllmConfig, spec: KVCacheSpec | None
+    ) -> VineyardConnectorScheduler:
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if policy != "recompute":
+            # A cache is best-effort: a chunk evicted or found corrupt
+            # between lookup and load is recomputed, never a failure.
+            logger.info(
+                "%s sets kv_load_failure_policy=recompute (was %s)",
+                CONNECTOR_NAME,
+                policy,
+            )
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        events = vllm_config.kv_events_config
+        return VineyardConnectorScheduler(
+            self.config,
+            self.block_size,
+            self.chunk_size,
+            vllm_config.parallel_config.tensor_parallel_size,
+            publish_events=bool(events and events.enable_kv_cache_events),
+            windowed=isinstance(spec, SlidingWindowSpec),
+            cache_off=self._cache_off,
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:

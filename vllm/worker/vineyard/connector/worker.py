@@ -32,7 +32,8 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardWorkerReport,
 )
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard_llm_cache import SaveRequest, VineyardLLMCache
+from vllm.worker.vineyard.transfer.saves import SaveRequest
+from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
 logger = init_logger(__name__)
 
@@ -121,10 +122,10 @@ class VineyardConnectorWorker:
             if delta.load is not None:
                 state = self._requests[delta.req_id]
                 start, end = delta.load
-                self.cache.start_load(
+                self.cache.loads.start(
                     delta.req_id, state.digests, start, end, state.block_ids
                 )
-        self.cache.poll_loads()
+        self.cache.loads.poll()
 
     def wait_for_save(self, meta: VineyardConnectorMetadata) -> None:
         if self.cache is None or not meta.requests:
@@ -140,7 +141,7 @@ class VineyardConnectorWorker:
             )
             for delta in meta.requests
             # A request waiting for its load has nothing new computed.
-            if not self.cache.loading(delta.req_id)
+            if not self.cache.loads.loading(delta.req_id)
         ]
         self.cache.save(saves)
 
@@ -150,10 +151,10 @@ class VineyardConnectorWorker:
         finished_loading: set[str] = set()
         if self.cache is not None:
             for req_id in finished_req_ids:
-                self.cache.cancel_load(req_id)  # aborted while loading
-            self.cache.poll_loads()
+                self.cache.loads.cancel(req_id)  # aborted while loading
+            self.cache.loads.poll()
             bs = self.cache.layout.block_size
-            for req_id, loaded, end in self.cache.take_finished_loads():
+            for req_id, loaded, end in self.cache.loads.take_finished():
                 finished_loading.add(req_id)
                 state = self._requests.get(req_id)
                 if loaded < end and state is not None:

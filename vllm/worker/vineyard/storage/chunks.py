@@ -19,6 +19,10 @@ byte is proved before it is used.
   MurmurHash3 (x86, 32 bit, seed 0) of all ids up to the end of the chunk,
   as 8 hex digits in folders of 2. Lookups ``stat`` those paths and read no
   KV at all.
+- **Chunk files.** An int32 count ``n``, the ``n`` int32 ids of the prefix
+  up to the chunk's end, then the chunk's entries: :func:`chunk_file_bytes`
+  and :class:`ChunkShape` are the one description of that layout, for the
+  cache, the scans and the tools.
 
 This module imports neither vLLM nor torch: the backend processes (run as
 scripts) and the scheduler both use it.
@@ -33,11 +37,14 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mmh3
 import numpy as np
 import xxhash
+
+from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
 
 FORMAT_VERSION = 3
 TRAILER_BYTES = 64
@@ -50,9 +57,6 @@ _MAC_BYTES = 32
 # Trailer: magic(5) keyed(1) pad(2) | digest(16) | checksum or MAC(32) | pad(8)
 _DIGEST_AT = 8
 _MAC_AT = _DIGEST_AT + _DIGEST_BYTES
-#: How a chunk file is opened outside vineyard: never following a link,
-#: never blocking (a FIFO planted at a chunk path must not hang a reader).
-OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: A header naming more ids than this is no chunk's (far beyond any
 #: context): it is not read.
 _MAX_HEADER_IDS = 1 << 22
@@ -81,7 +85,7 @@ def extend_digests(
     128 bits of chain state, so a digest names the whole token prefix and
     whatever else determines its KV: ``salt`` seeds the chain, and
     ``block_extra(b)`` adds block ``b``'s own keys (multimodal items, prompt
-    embeddings; see :mod:`vineyard_request_keys`)."""
+    embeddings; see :mod:`~vllm.worker.vineyard.connector.request_keys`)."""
     done, end = len(digests), len(token_ids) // block_size
     if end <= done:
         return digests
@@ -216,6 +220,77 @@ class Sealer:
         entry[len(entry) - TRAILER_BYTES :] = bytes(TRAILER_BYTES)
 
 
+def claimed_id(entry: memoryview | bytes) -> int | None:
+    """The block id an entry's trailer claims (unverified), or ``None``
+    where it ends in no trailer of the cache's (of any format version)."""
+    at = len(entry) - TRAILER_BYTES
+    if bytes(entry[at : at + len(MAGIC_PREFIX)]) != MAGIC_PREFIX:
+        return None
+    return synthetic_id(Sealer.digest_of(memoryview(entry)))
+
+
+# --------------------------------------------------------------------------
+# The layout of a chunk file.
+# --------------------------------------------------------------------------
+
+
+def header_count(head: bytes) -> int:
+    """The id count ``n`` that a chunk file's first 4 bytes hold (0 when
+    the file has fewer)."""
+    return int.from_bytes(head, sys.byteorder, signed=True) if len(head) == 4 else 0
+
+
+def header_ids(raw: bytes) -> list[int]:
+    """The ids of a chunk file's header (the ``4 * n`` bytes after ``n``)."""
+    return np.frombuffer(raw, np.int32).tolist()
+
+
+def entries_at(num_ids: int) -> int:
+    """Where a chunk file of ``num_ids`` ids has its entries: after the
+    count and the ids."""
+    return 4 + 4 * num_ids
+
+
+def chunk_file_bytes(num_ids: int, blocks_per_chunk: int, entry_bytes: int) -> int:
+    """The size of a whole chunk file: header, ids, entries."""
+    return entries_at(num_ids) + blocks_per_chunk * entry_bytes
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What a namespace's chunk files look like: by its layout (a ``stat``
+    tells), else by each file's own header (read)."""
+
+    blocks_per_chunk: int | None = None
+    entry_bytes: int | None = None
+    legacy: bool = False  # format 1: no trailers
+
+    def mismatch(
+        self, size: int, read: Callable[[int, int], bytes] | None
+    ) -> str | None:
+        """Why a non-empty file of ``size`` bytes is not shaped as one of
+        the namespace's chunk files (``None`` if it is); ``read(offset,
+        count)`` reads it, needed only without a layout."""
+        if self.blocks_per_chunk is not None and self.entry_bytes is not None:
+            # n must be a positive multiple of blocks_per_chunk (a chunk's
+            # ids are those of its whole prefix).
+            bpc = self.blocks_per_chunk
+            ids_bytes = size - chunk_file_bytes(0, bpc, self.entry_bytes)
+            if ids_bytes > 0 and ids_bytes % (4 * bpc) == 0:
+                return None
+            return f"size {size} fits no chunk of this namespace's layout"
+        assert read is not None, "without a layout a chunk's header is read"
+        n = header_count(read(0, 4))
+        if n < 1 or entries_at(n) >= size:
+            return f"its header (n={n}) does not fit its size {size}"
+        if self.legacy:
+            return None
+        tail = size - TRAILER_BYTES
+        if tail < entries_at(n) or read(tail, len(MAGIC_PREFIX)) != MAGIC_PREFIX:
+            return "it does not end in an entry's trailer"
+        return None
+
+
 # --------------------------------------------------------------------------
 # Chunk files.
 # --------------------------------------------------------------------------
@@ -253,12 +328,12 @@ class ChunkFiles:
         nobody's to remove)."""
         mine = np.asarray(ids, np.int32).tobytes()
         path = self._path(mine)
-        fd = os.open(path, OPEN_CHUNK)
+        fd = os.open(path, OPEN_FILE)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return False  # no chunk at all (never read: it could block)
-            n = int.from_bytes(os.pread(fd, 4, 0), sys.byteorder, signed=True)
+            n = header_count(os.pread(fd, 4, 0))
             if not 0 < n <= _MAX_HEADER_IDS or st.st_size != self.file_bytes(n):
                 return False  # no chunk's header, or cut short
             theirs = os.pread(fd, 4 * n, 4)
@@ -267,7 +342,7 @@ class ChunkFiles:
         return theirs != mine and self._path(theirs) == path
 
     def file_bytes(self, num_ids: int) -> int:
-        return 4 + 4 * num_ids + self.blocks_per_chunk * self.entry_bytes
+        return chunk_file_bytes(num_ids, self.blocks_per_chunk, self.entry_bytes)
 
     def is_complete(self, ids: Sequence[int]) -> bool:
         """Whether the chunk ending at ``ids`` is on disk at its full size

@@ -12,16 +12,22 @@ Imports neither vLLM nor torch (the sweeper runs in the backend process).
 
 from __future__ import annotations
 
-import contextlib
-import json
+import fcntl
 import os
 import re
 import socket
 import stat
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
+
+from vllm.worker.vineyard.config import MAX_TTL_S
+from vllm.worker.vineyard.storage.safe_io import (
+    NO_LINK_NO_BLOCK,
+    NotRegularFileError,
+    read_json,
+    write_json,
+)
 
 SWEEP_LOCK = "__sweep.lock"
 USAGE_LEDGER = "__sweep.ledger"
@@ -31,7 +37,6 @@ ROOT_FILES = (SWEEP_LOCK, USAGE_LEDGER, ROOT_SETTINGS)
 MAX_SETTINGS_BYTES = 1 << 16
 
 _SETTINGS_TEMP = re.compile(re.escape(ROOT_SETTINGS) + r"\.[A-Za-z0-9_]+\.tmp")
-_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def is_root_file(name: str) -> bool:
@@ -51,8 +56,7 @@ def open_root_file(root: str, name: str, writable: bool = False) -> int:
     planted there does not hang a sweeper); raises ``OSError`` when it
     cannot be opened or is not a regular file."""
     assert name in ROOT_FILES
-    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    flags |= os.O_RDWR if writable else os.O_RDONLY
+    flags = os.O_CREAT | NO_LINK_NO_BLOCK | (os.O_RDWR if writable else os.O_RDONLY)
     fd = os.open(os.path.join(root, name), flags, 0o660)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -61,6 +65,20 @@ def open_root_file(root: str, name: str, writable: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def flock_within(fd: int, wait_s: float, poll_s: float) -> bool:
+    """Take ``flock`` on ``fd``, waiting up to ``wait_s``; whether it is
+    held. Raises ``OSError`` on a filesystem without locks."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
 
 @dataclass
@@ -120,9 +138,11 @@ def write_ledger(fd: int, usage: Usage) -> None:
 # The root's own settings.
 # --------------------------------------------------------------------------
 
-#: Most a root's disk limit may be, and its TTL (as the settings allow).
+#: Most a root's disk limit may be (1 EiB). Deliberately bounded, unlike
+#: VINEYARD_CACHE_DISK_LIMIT_GB (which has no upper bound): any host that
+#: shares the root can write this file, so what a sweeper takes from it is
+#: held to a sane range. The TTL's bound is the setting's own (MAX_TTL_S).
 MAX_LIMIT_BYTES = 1 << 60
-MAX_TTL_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -156,22 +176,12 @@ def read_root_settings(root: str) -> RootSettings | None:
     ``ValueError`` when the file holds no valid settings and ``OSError``
     when it cannot be read (never follows a link, never blocks)."""
     try:
-        fd = os.open(os.path.join(root, ROOT_SETTINGS), _OPEN_FILE)
+        doc = read_json(os.path.join(root, ROOT_SETTINGS), MAX_SETTINGS_BYTES)
+        return RootSettings(doc["disk_limit_bytes"], doc["ttl_s"])
     except FileNotFoundError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{ROOT_SETTINGS} is not a regular file")
-        raw = os.read(fd, MAX_SETTINGS_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        if len(raw) > MAX_SETTINGS_BYTES:
-            raise ValueError("too large")
-        doc = json.loads(raw)
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-        return RootSettings(doc["disk_limit_bytes"], doc["ttl_s"])
+    except NotRegularFileError:
+        raise
     except (ValueError, KeyError) as e:
         raise ValueError(f"{ROOT_SETTINGS} holds no valid settings: {e}") from e
 
@@ -192,21 +202,7 @@ def record_root_settings(
         "recorded_at": time.time(),
         "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
     }
-    path = os.path.join(root, ROOT_SETTINGS)
-    fd, temp = tempfile.mkstemp(prefix=ROOT_SETTINGS + ".", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o640 if group_access else 0o600)
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(temp, path)
-            return settings
-        with contextlib.suppress(FileExistsError):
-            os.link(temp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
+    write_json(root, ROOT_SETTINGS, doc, group_access, replace)
+    if replace:
+        return settings
     return read_root_settings(root) or settings

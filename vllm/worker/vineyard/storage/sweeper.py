@@ -17,45 +17,34 @@ when the chunk is written and a verified hit sets it again. Each sweep:
   seconds; older ones belong to a writer that died) and empty directories
   (vineyard leaves one per write under ``__temp``).
 
-It touches only the cache's own entries, as :mod:`vineyard_root` tells
-them: chunk files, vineyard's temporary files and placeholders and the
-directories of namespaces. Namespace manifests are never removed; files
-outside namespaces or of another shape, links and mount points are left
-alone (logged once, not counted in the cache's size).
+It touches only the cache's own entries, as
+:mod:`~vllm.worker.vineyard.storage.scan` tells them: chunk files,
+vineyard's temporary files and placeholders and the directories of
+namespaces. Namespace manifests are never removed; files outside
+namespaces or of another shape, links and mount points are left alone
+(logged once, not counted in the cache's size).
 
 Between sweeps the writers hold the disk limit themselves
-(:meth:`RootSweeper.make_room`). They share an estimate of the root's usage
-in its :data:`~vineyard_root_files.USAGE_LEDGER` (under ``flock``): what the last
-sweep left, plus what every writer reserved since. A writer reserves the
-chunks it is about to write; when they do not fit under the limit it first
-runs a pass at once that evicts room for them too. So the chunk files of
-all the writers that share the ledger stay within the limit, plus the
-chunks that are being written while a scan runs (at most one write, a few
-chunks, per writer). Where the ledger cannot be had (a read-only root, a
-filesystem without locks, a ledger held for over :data:`LEDGER_WAIT_S`)
-each writer counts its own writes: the limit then holds within one write
-per writer plus what the others stored since this writer's last scan. The
-free-space part of the budget stays the periodic sweeps'. The ledger is
-advisory: a wrong value costs an extra pass or an overshoot until the next
-sweep, never data.
+(:meth:`RootSweeper.make_room`), by the usage they share in the root's
+ledger (:mod:`~vllm.worker.vineyard.storage.usage`).
 
 One pass per root at a time: a pass holds ``flock`` on the root's
-:data:`~vineyard_root_files.SWEEP_LOCK` (so that N instances of M ranks do not all
-walk the root every interval). A periodic sweep that finds it held is
-skipped; a writer that needs room waits for it up to :data:`LOCK_WAIT_S`,
-then runs its pass regardless. Where there is no lock to be had (a file
-planted at its path, a filesystem without locks) passes go unlocked: several
-at once only race to delete the same files (the same LRU order), which is
-harmless. Both files are opened without following links.
+:data:`~vllm.worker.vineyard.storage.root_files.SWEEP_LOCK` (so that N
+instances of M ranks do not all walk the root every interval). A periodic
+sweep that finds it held is skipped; a writer that needs room waits for it
+up to :data:`LOCK_WAIT_S`, then runs its pass regardless. Where there is no
+lock to be had (a file planted at its path, a filesystem without locks)
+passes go unlocked: several at once only race to delete the same files (the
+same LRU order), which is harmless. Both files are opened without following
+links.
 
-The disk limit and TTL are the root's own (:class:`~vineyard_root_files.RootSettings`
-in :data:`~vineyard_root_files.ROOT_SETTINGS`): the first process that sweeps a
-root records its own settings there, and every pass of every process reads
-them, so one instance with a small limit or TTL cannot shrink everyone's
-cache (a process whose own settings differ says so once). Where they cannot
-be read, a process sweeps with its own. A chunk whose last use lies further
-in the future than hosts' clocks differ (:data:`CLOCK_SKEW_S`) counts as the
-oldest: a planted mtime cannot keep a chunk from eviction or expiry.
+The disk limit and TTL are the root's own
+(:class:`~vllm.worker.vineyard.storage.root_files.RootSettings`): the first
+process that sweeps a root records its own settings there, and every pass
+of every process reads them, so one instance with a small limit or TTL
+cannot shrink everyone's cache (a process whose own settings differ says so
+once). Where they cannot be read, a process sweeps with its own. Which
+chunks go, and in what order: :mod:`~vllm.worker.vineyard.storage.eviction`.
 
 Evicting chunk ``k`` of a prefix makes its later
 chunks unreachable (lookups stop at the first missing chunk) until they are
@@ -66,28 +55,36 @@ Imports neither vLLM nor torch (it runs in the backend process).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import fcntl
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
 
-from vllm.worker.vineyard.storage import root as root_format
-from vllm.worker.vineyard.storage import root_files
+from vllm.worker.vineyard.storage.eviction import (
+    distrust_future,
+    evict_lru,
+    eviction_target,
+    expire,
+)
+from vllm.worker.vineyard.storage.removal import remove_dir, remove_file
+from vllm.worker.vineyard.storage.root_files import (
+    SWEEP_LOCK,
+    RootSettings,
+    flock_within,
+    open_root_file,
+    read_root_settings,
+    record_root_settings,
+)
+from vllm.worker.vineyard.storage.scan import ChunkFile, RootScan, scan_root
+from vllm.worker.vineyard.storage.usage import SharedUsage
 
 logger = logging.getLogger(__name__)
 
-HIGH_WATER = 0.95  # evict when usage passes this share of the budget ...
-LOW_WATER = 0.85  # ... down to this share
 TEMP_MAX_AGE_S = 600.0
 #: Removed chunk paths kept for the next report (KV events), at most.
 MAX_REMOVED_REPORTED = 10_000
 EMPTY_DIR_MIN_AGE_S = 60.0  # a writer may be about to fill a new folder
-TEMP_DIR = root_format.TEMP_DIR
 #: Most entries that are not the cache's remembered as logged (each is
 #: logged once; past this many, no more are).
 MAX_REPORTED = 10_000
@@ -101,61 +98,6 @@ MAX_SKIPPED_INTERVALS = 10
 #: A new chunk file's space on disk is estimated in blocks of this size
 #: (until the next scan counts it exactly).
 DISK_BLOCK = 4096
-#: Longest wait for the ledger's lock (held for microseconds at a time)
-#: before this process counts on its own, for the next LEDGER_RETRY_S.
-LEDGER_WAIT_S = 1.0
-LEDGER_RETRY_S = 60.0
-#: Most that hosts' clocks are taken to differ: a last use further in the
-#: future than this is not believed.
-CLOCK_SKEW_S = 300.0
-
-
-def distrust_future(chunks: list[root_format.ChunkFile], now: float) -> None:
-    """A chunk last used further in the future than :data:`CLOCK_SKEW_S`
-    (a clock far ahead, or a planted mtime) would never age: it counts as
-    the oldest instead, first to be evicted or expired."""
-    for chunk in chunks:
-        if chunk.mtime > now + CLOCK_SKEW_S:
-            chunk.mtime = 0.0
-
-
-def _flock(fd: int, wait_s: float, poll_s: float) -> bool:
-    """Take ``flock`` on ``fd``, waiting up to ``wait_s``; whether it is
-    held. Raises ``OSError`` on a filesystem without locks."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
-
-
-def evict_lru(
-    chunks: list[root_format.ChunkFile],
-    total: int,
-    target: float,
-    remove: Callable[[root_format.ChunkFile], bool],
-) -> tuple[int, int, int]:
-    """Evict the least recently used of ``chunks`` (sorted in place) until
-    ``total``, their bytes on disk, is at most ``target``. Returns how many
-    went (the first ones of ``chunks`` now), how many of those ``remove``
-    removed (others were gone already) and the total left."""
-    # Least recently used first; among chunks last used in the same second
-    # (one write or one hit), the later chunks of a prefix first (their
-    # files are longer), so what stays is still a usable prefix.
-    chunks.sort(key=lambda c: (int(c.mtime), -c.size))
-    done = removed = 0
-    for chunk in chunks:
-        if total <= target:
-            break
-        # Gone either way (another sweeper may have been first).
-        removed += remove(chunk)
-        total -= chunk.disk_bytes
-        done += 1
-    return done, removed, total
 
 
 class RootSweeper:
@@ -172,12 +114,11 @@ class RootSweeper:
         self.root = root
         # This process's own settings; the root's recorded ones govern (see
         # the module docstring), read at every pass.
-        self.own_settings = root_files.RootSettings(limit_bytes, ttl_s)
-        self.limit_bytes = limit_bytes
-        self.ttl_s = ttl_s
+        self.own_settings = RootSettings(limit_bytes, ttl_s)
+        self.settings = self.own_settings  # the ones that govern now
         self.interval_s = interval_s
         self.group_access = group_access
-        self._settings_noted: root_files.RootSettings | str | None = None
+        self._settings_noted: RootSettings | str | None = None
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("evicted_chunks", "expired_chunks", "orphans_removed"), 0
@@ -191,18 +132,7 @@ class RootSweeper:
         self._pass_lock = threading.Lock()
         self._last_pass = time.monotonic()
         self._lock_warned = False
-        # The root's usage (see the module docstring): the ledger's, kept
-        # here too for when it cannot be had.
-        self._ledger_lock = threading.Lock()
-        self._ledger_retry_at = 0.0
-        self._ledger_warned = False
-        self._usage_here = root_files.Usage()
-        # The ledger's sweep count as this process last saw it, and when
-        # (its own clock) it saw it change: how fresh the ledger is, judged
-        # without comparing this host's clock with another's.
-        self._epoch_seen = -1
-        self._epoch_changed_at = 0.0
-        self._reservation = (-1, 0)  # epoch, bytes: make_room's last
+        self._usage = SharedUsage(root)
         self.passes = 0
         self.skipped_sweeps = 0  # another process held the root's lock
         self.writer_passes = 0  # passes make_room ran
@@ -210,6 +140,14 @@ class RootSweeper:
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-sweeper", daemon=True
         )
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.settings.disk_limit_bytes
+
+    @property
+    def ttl_s(self) -> float:
+        return self.settings.ttl_s
 
     def start(self) -> None:
         self._thread.start()
@@ -245,9 +183,9 @@ class RootSweeper:
         itself now and then (whoever passes, the root's settings apply)."""
         if time.monotonic() - self._last_pass > MAX_SKIPPED_INTERVALS * self.interval_s:
             return False
-        with self._usage() as usage:
+        with self._usage.hold() as usage:
             stamp, base, chunks = usage.stamp, usage.base, usage.chunks
-            unchanged_s = self._unchanged_s(usage)
+            unchanged_s = self._usage.unchanged_s(usage)
         if not (stamp > 0 and unchanged_s < self.interval_s):
             return False
         with self._lock:
@@ -276,8 +214,8 @@ class RootSweeper:
         with self._lock:
             self._counts[name] += n
 
-    def _remove(self, chunk: root_format.ChunkFile) -> bool:
-        if not root_format.remove_file(self.root, chunk.path, chunk.ino):
+    def _remove(self, chunk: ChunkFile) -> bool:
+        if not remove_file(self.root, chunk.path, chunk.ino):
             return False
         with self._lock:
             if len(self._removed) < MAX_REMOVED_REPORTED:
@@ -322,12 +260,7 @@ class RootSweeper:
     def wrote(self, nbytes: int) -> None:
         """Of what :meth:`make_room` reserved, the writer stored ``nbytes``:
         the rest is given back (unless a sweep has counted since)."""
-        epoch, reserved = self._reservation
-        self._reservation = (-1, 0)
-        if reserved > nbytes:
-            with self._usage() as usage:
-                if usage.epoch == epoch:
-                    usage.pending = max(0, usage.pending - (reserved - nbytes))
+        self._usage.stored(nbytes)
 
     @staticmethod
     def new_file_bytes(size: int) -> int:
@@ -338,87 +271,7 @@ class RootSweeper:
     def _reserve(self, nbytes: int, force: bool) -> bool:
         """Add ``nbytes`` to the root's pending usage if they fit under the
         limit by a recent sweep's measure (or ``force``); whether added."""
-        with self._usage() as usage:
-            fits = (
-                usage.stamp > 0
-                and self._unchanged_s(usage) <= 2 * self.interval_s
-                and usage.base + usage.pending + nbytes <= self.limit_bytes
-            )
-            if not (fits or force):
-                return False
-            usage.pending += nbytes
-            self._reservation = (usage.epoch, nbytes)
-            return True
-
-    def _unchanged_s(self, usage: root_files.Usage) -> float:
-        """How long the ledger has gone without a sweep, by this process's
-        own clock: it watches the sweep count change, and never compares
-        its clock with the stamp another host wrote (hosts' clocks may be
-        minutes apart). A ledger first seen counts as fresh: if nobody
-        sweeps it, this process's own sweep comes within an interval."""
-        now = time.monotonic()
-        if usage.epoch != self._epoch_seen:
-            self._epoch_seen = usage.epoch
-            self._epoch_changed_at = now
-        return now - self._epoch_changed_at
-
-    @contextlib.contextmanager
-    def _usage(self) -> Iterator[root_files.Usage]:
-        """The root's usage, to read and update: the ledger's, under its
-        lock; where it cannot be had, this process's own."""
-        with self._ledger_lock:
-            fd = self._open_ledger()
-            if fd is None:
-                yield self._usage_here
-                return
-            try:
-                usage = root_files.read_ledger(fd) or root_files.Usage()
-                yield usage
-                self._usage_here = dataclasses.replace(usage)
-                try:
-                    root_files.write_ledger(fd, usage)
-                except OSError as e:
-                    self._warn_ledger(f"cannot write it ({e})")
-            finally:
-                os.close(fd)  # releases the lock
-
-    def _open_ledger(self) -> int | None:
-        """The ledger, open and locked (closing it releases the lock);
-        ``None`` where it cannot be had (then not tried again for
-        :data:`LEDGER_RETRY_S`: a ledger held that long would slow every
-        write)."""
-        if time.monotonic() < self._ledger_retry_at:
-            return None
-        try:
-            fd = root_files.open_root_file(
-                self.root, root_files.USAGE_LEDGER, writable=True
-            )
-        except OSError as e:
-            self._warn_ledger(f"cannot open it ({e})")
-            return None
-        try:
-            if _flock(fd, LEDGER_WAIT_S, _LOCK_POLL_S / 10):
-                return fd
-            why = f"held by another for over {LEDGER_WAIT_S} s"
-        except OSError as e:  # a filesystem without locks
-            why = f"cannot lock it ({e})"
-        os.close(fd)
-        self._warn_ledger(why)
-        return None
-
-    def _warn_ledger(self, why: str) -> None:
-        self._ledger_retry_at = time.monotonic() + LEDGER_RETRY_S
-        if not self._ledger_warned:
-            self._ledger_warned = True
-            logger.warning(
-                "vineyard cache writer on %s counts only its own writes between "
-                "sweeps: the usage ledger %s %s (writers of other processes "
-                "may then take the root past its limit by what they write "
-                "between this one's sweeps); logged once",
-                self.root,
-                root_files.USAGE_LEDGER,
-                why,
-            )
+        return self._usage.reserve(nbytes, self.limit_bytes, 2 * self.interval_s, force)
 
     def _locked_pass(self, now: float | None, need: int, wait_s: float) -> bool:
         fd, go = self._lock_root(wait_s)
@@ -441,12 +294,12 @@ class RootSweeper:
         its pass. Where no lock can be had, ``(None, True)``: the pass goes
         unlocked (see the module docstring)."""
         try:
-            fd = root_files.open_root_file(self.root, root_files.SWEEP_LOCK)
+            fd = open_root_file(self.root, SWEEP_LOCK)
         except OSError as e:
             self._warn_unlocked(f"cannot open it ({e})")
             return None, True
         try:
-            if _flock(fd, wait_s, _LOCK_POLL_S):
+            if flock_within(fd, wait_s, _LOCK_POLL_S):
                 return fd, True
         except OSError as e:  # a filesystem without locks
             os.close(fd)
@@ -465,7 +318,7 @@ class RootSweeper:
                 "(processes may then sweep the root at once: harmless, only "
                 "more work); logged once",
                 self.root,
-                root_files.SWEEP_LOCK,
+                SWEEP_LOCK,
                 why,
             )
 
@@ -474,57 +327,47 @@ class RootSweeper:
         (``need`` bytes about to be written counted in), evict."""
         now = time.time() if now is None else now
         self._follow_root_settings()
-        with self._usage() as usage:
+        with self._usage.hold() as usage:
             pending = usage.pending  # reserved before the scan: it counts them
-        scan = root_format.scan_root(self.root)
+        scan = scan_root(self.root)
         self._report(scan)
         self._remove_leftovers(scan, now)
-        chunks = scan.chunks
-        distrust_future(chunks, now)
-        if self.ttl_s > 0:
-            live = []
-            for chunk in chunks:
-                if now - chunk.mtime > self.ttl_s:
-                    if self._remove(chunk):
-                        self._count("expired_chunks")
-                else:
-                    live.append(chunk)
-            chunks = live
+        distrust_future(scan.chunks, now)
+        chunks, expired = expire(scan.chunks, now, self.ttl_s, self._remove)
+        self._count("expired_chunks", expired)
         total = sum(chunk.disk_bytes for chunk in chunks)
-        budget = self.budget(total)
-        # A write needs room for a whole chunk: when the margins are smaller
-        # than one (a small filesystem, big chunks), a full disk would stay
-        # just too full to take the next chunk and never reach the mark.
-        largest = max((chunk.disk_bytes for chunk in chunks), default=0)
-        high = min(HIGH_WATER * budget, budget - largest)
-        if total + need > high:
-            # The writer waits for this pass: room for its write as well.
-            target = min(LOW_WATER * budget, budget - 2 * largest, high - need)
+        target = eviction_target(chunks, total, self.budget(total), need)
+        if target is not None:
             done, evicted, total = evict_lru(chunks, total, target, self._remove)
             self._count("evicted_chunks", evicted)
             chunks = chunks[done:]
         with self._lock:
             self.root_bytes, self.root_chunks = total, len(chunks)
-        with self._usage() as usage:
+        self._record_usage(total, len(chunks), pending)
+        self.passes += 1
+        self._last_pass = time.monotonic()
+
+    def _record_usage(self, total: int, num_chunks: int, pending: int) -> None:
+        """What this pass measured, in the root's usage (``pending``: what
+        was reserved before its scan began, now counted in ``total``)."""
+        with self._usage.hold() as usage:
             # Reserved while the scan ran: maybe counted twice until the
             # next sweep (the safe side). Reserved before it and still being
             # written: not counted (at most one write per writer).
-            usage.base, usage.chunks = total, len(chunks)
+            usage.base, usage.chunks = total, num_chunks
             usage.pending = max(0, usage.pending - pending)
             usage.epoch += 1
             usage.stamp = time.time()
-            self._unchanged_s(usage)  # seen now
-        self.passes += 1
-        self._last_pass = time.monotonic()
+            self._usage.unchanged_s(usage)  # seen now
 
     def _follow_root_settings(self) -> None:
         """Take the root's settings for this pass, recording this process's
         own where the root has none yet."""
         own = self.own_settings
         try:
-            settings = root_files.read_root_settings(self.root)
+            settings = read_root_settings(self.root)
             if settings is None:
-                settings = root_files.record_root_settings(
+                settings = record_root_settings(
                     self.root, own, group_access=self.group_access
                 )
         except (OSError, ValueError) as e:
@@ -553,9 +396,9 @@ class RootSweeper:
                     self.root,
                 )
             self._settings_noted = settings
-        self.limit_bytes, self.ttl_s = settings.disk_limit_bytes, settings.ttl_s
+        self.settings = settings
 
-    def _remove_leftovers(self, scan: root_format.RootScan, now: float) -> None:
+    def _remove_leftovers(self, scan: RootScan, now: float) -> None:
         """Old temporary files and placeholders (their writer died), then
         old empty directories, children first: a whole empty tree
         (vineyard leaves one per write) goes in one pass."""
@@ -569,7 +412,7 @@ class RootSweeper:
                 left[parent] -= 1
 
         for item in scan.leftovers:
-            if now - item.mtime > TEMP_MAX_AGE_S and root_format.remove_file(
+            if now - item.mtime > TEMP_MAX_AGE_S and remove_file(
                 self.root, item.path, item.ino
             ):
                 removed(item.path)
@@ -578,11 +421,11 @@ class RootSweeper:
             if (
                 left[d.path] == 0
                 and now - d.mtime > EMPTY_DIR_MIN_AGE_S
-                and root_format.remove_dir(self.root, d.path)
+                and remove_dir(self.root, d.path)
             ):
                 removed(d.path)
 
-    def _report(self, scan: root_format.RootScan) -> None:
+    def _report(self, scan: RootScan) -> None:
         """Log, once each, what the sweep leaves alone."""
         new = [f for f in scan.foreign if f.path not in self._reported]
         errors = [e for e in scan.errors if e[0] not in self._reported]

@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The lookup's count of cached chunks (:func:`count_cached_chunks`): by
+``stat`` alone, from a prefix's ids (no walk of the root, no KV read), for
+the scheduler's lookup process and the backend. Where a lookup stops at a
+damaged chunk file it removes it, so that the next save writes it again.
+
+Imports neither vLLM nor torch (the backend processes run it).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from vllm.worker.vineyard.log_limiter import LogLimiter
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.removal import remove_file
+
+
+def count_cached_chunks(
+    rank_files: list[ChunkFiles],
+    ids: list[int],
+    max_chunks: int,
+    counts: dict[str, int],
+    log: LogLimiter,
+) -> int:
+    """How many leading chunks of ``ids`` (up to ``max_chunks``) every
+    rank's namespace holds whole, by ``stat`` alone (the minimum over
+    ranks). Adds to ``counts``: ``lookup_stats``, and ``corrupt_chunks`` or
+    ``path_collisions`` for a file where a rank's lookup stopped (see
+    :func:`_remove_if_damaged`)."""
+    bpc = rank_files[0].blocks_per_chunk if rank_files else 1
+    cached = max_chunks
+    for files in rank_files:
+        found = files.count_complete(ids, cached)
+        counts["lookup_stats"] = counts.get("lookup_stats", 0) + min(found + 1, cached)
+        if found < cached:
+            _remove_if_damaged(files, ids[: (found + 1) * bpc], counts, log)
+        cached = found
+    return cached
+
+
+def _remove_if_damaged(
+    files: ChunkFiles,
+    ids: list[int],
+    counts: dict[str, int],
+    log: LogLimiter,
+) -> None:
+    """A regular file where a lookup stopped, of neither vineyard's
+    placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
+    renames whole chunks into place, so no write is ever seen half done):
+    remove it, so that the next save writes the chunk again (vineyard keeps
+    a file it finds at a chunk's path). Unless it is another prefix's chunk
+    whose ids hash to the same path: that one is valid, and left alone."""
+    path = files.path(ids)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return  # missing: the common miss
+    if not stat.S_ISREG(st.st_mode) or st.st_size in (0, files.file_bytes(len(ids))):
+        return
+    try:
+        collision = files.holds_other_prefix(ids)
+    except OSError:
+        return  # cannot be read now: not known to be bad
+    if collision:
+        counts["path_collisions"] = counts.get("path_collisions", 0) + 1
+        log.warning(
+            "collision",
+            "vineyard cache chunk of another prefix at this prefix's path "
+            "(a hash collision; left in place, the tokens are recomputed): %s",
+            path,
+        )
+    elif remove_file(files.root, path, st.st_ino):
+        counts["corrupt_chunks"] = counts.get("corrupt_chunks", 0) + 1
+        log.warning(
+            "wrong-size",
+            "vineyard cache chunk of the wrong size (%d bytes, not %d) was "
+            "removed; it is written again by the next save: %s",
+            st.st_size,
+            files.file_bytes(len(ids)),
+            path,
+        )

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The cache's two backend processes as the cache sees them: their specs and
+their start (:func:`start_backends`), and the books that every call to them
+keeps (:class:`BackendCalls`): restarts, the counters each reply carries,
+and the chunk files the backends removed."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, TypeVar
+
+from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.protocol import (
+    BackendSettings,
+    BackendSpec,
+    QueryReply,
+    Request,
+    StatsReply,
+    UpdateReply,
+)
+from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
+from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.transfer.staging import StagingMemory
+
+#: The replies of a cache backend: each carries what it counted since.
+CacheReplyT = TypeVar("CacheReplyT", bound=UpdateReply | QueryReply | StatsReply)
+
+
+class BackendCalls:
+    """Calls to the cache's backends, booking what comes with them."""
+
+    def __init__(self, metrics: VineyardCacheMetrics):
+        self._metrics = metrics
+        self._restarts_counted: dict[str, int] = {}
+        # Chunk files the backends removed (reported by the worker).
+        self._removed_paths: collections.deque[str] = collections.deque()
+
+    def send(self, backend: BackendProcess, request: Request[Any]) -> None:
+        try:
+            backend.send(request)
+        finally:
+            # Restarts (maybe on a thread of the backend's) not counted yet.
+            new = backend.restarts - self._restarts_counted.get(backend.name, 0)
+            if new:
+                self._restarts_counted[backend.name] = backend.restarts
+                self._metrics.add("backend_restarts", new)
+
+    def receive(
+        self,
+        backend: BackendProcess,
+        reply_type: type[CacheReplyT],
+        timeout_s: float | None = None,
+    ) -> CacheReplyT:
+        reply = backend.receive(reply_type, timeout_s)
+        self._removed_paths.extend(reply.stats.removed_paths)
+        self._metrics.record(reply.stats.counters)
+        return reply
+
+    def take_removed_paths(self) -> list[str]:
+        """Chunk files the backends removed since the last call."""
+        removed = []
+        while self._removed_paths:
+            removed.append(self._removed_paths.popleft())
+        return removed
+
+    def call(
+        self, backend: BackendProcess, request: Request[CacheReplyT]
+    ) -> CacheReplyT:
+        """Send one request and wait for its answer."""
+        self.send(backend, request)
+        reply: CacheReplyT = self.receive(backend, request.reply_type)
+        return reply
+
+
+def _spec(
+    config: VineyardLLMCacheConfig,
+    layout: KVCacheLayout,
+    namespace: str,
+    cache_root: str,
+    memory: StagingMemory,
+    writer: bool,
+) -> BackendSpec:
+    return BackendSpec(
+        settings=BackendSettings.from_config(config),
+        root=namespace,
+        blocks_per_chunk=layout.blocks_per_chunk,
+        entry_bytes=layout.entry_bytes,
+        max_blocks=memory.max_blocks,
+        num_buffers=memory.count,
+        sweep=writer,
+        cache_root=cache_root,
+    )
+
+
+def start_backends(
+    config: VineyardLLMCacheConfig,
+    layout: KVCacheLayout,
+    namespace: str,
+    cache_root: str,
+    read_memory: StagingMemory,
+    write_memory: StagingMemory,
+) -> tuple[BackendProcess, BackendProcess]:
+    """The reader (over ``read_memory``) and the writer (over
+    ``write_memory``, sweeping ``cache_root``) of ``namespace``, ready; if
+    either cannot start, neither is left running."""
+    started: list[BackendProcess] = []
+    try:
+        # Both start at once (each spends a few tenths of a second
+        # importing vineyard's KV cache).
+        reader = BackendProcess(
+            "read",
+            _spec(config, layout, namespace, cache_root, read_memory, False),
+            read_memory.fd,
+            config.backend_timeout_s,
+            wait=False,
+            # Loads are driven from the forward thread: it never waits
+            # for a reader to restart (e.g. on a root that hangs).
+            restart_in_background=True,
+        )
+        started.append(reader)
+        writer = BackendProcess(
+            "write",
+            _spec(config, layout, namespace, cache_root, write_memory, True),
+            write_memory.fd,
+            config.backend_timeout_s,
+            # Writes are background work: when the backend shares a core
+            # with the forward pass (an unpinned engine), the pass wins.
+            nice=10,
+            wait=False,
+        )
+        started.append(writer)
+        reader.wait_ready()
+        writer.wait_ready()
+    except BaseException:
+        for backend in reversed(started):
+            backend.close()
+        raise
+    return reader, writer
