@@ -136,11 +136,22 @@ def test_full_disk_engine(
     assert last.counter("evicted_chunks") > 0
     # Nothing bad is promised or loaded: a file that a failed write left
     # at a chunk path (of the wrong size) is removed by the lookup that
-    # finds it (counted in corrupt_chunks), never loaded.
-    assert last.counter("load_errors") == 0
+    # finds it (counted in corrupt_chunks), never loaded. But a lookup
+    # promises chunks by stat, and the sweeper making room (LRU: round 0's
+    # chunks all share one second, so the largest, the last chunks of a
+    # prefix, go first) may evict some of them before the reader reads
+    # them: that load comes up short, is counted, and its tokens are
+    # recomputed (the outputs above are identical). Only round 1 has hits:
+    # at most one short load per request that got one, each explained by
+    # an eviction.
+    hit_requests = sum(1 for n in run.rounds[1].num_cached_tokens if n > 0)
+    assert last.counter("load_errors") == run.delta(1, "load_errors") <= hit_requests
+    assert last.counter("load_errors") <= last.counter("evicted_chunks")
+    short = last.counter("hit_tokens") - last.counter("loaded_tokens")
+    assert short >= 0
+    assert (short > 0) == (last.counter("load_errors") > 0)
     # Writes resume once the sweeper has made room: new prompts are saved.
     assert run.delta(2, "tokens_written") > 0
-    assert last.counter("loaded_tokens") == last.counter("hit_tokens")
     names = ("tokens_written", "write_errors", "updates_failed", "evicted_chunks")
     print("full disk:", {name: last.counter(name) for name in names})
 
