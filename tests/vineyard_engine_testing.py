@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.vineyard_testing import engine_cpu
+from tests.vineyard_testing import engine_cpu, random_tokens
 
 #: vLLM block size of every test engine, and the cache's chunk size: the
 #: default (``VINEYARD_CACHE_CHUNK_SIZE`` unset), one block.
@@ -56,7 +56,6 @@ from vllm.worker.vineyard import launch
 
 BLOCK_SIZE = 64
 CHUNK_SIZE = BLOCK_SIZE
-VOCAB_SIZE = 32000
 METRIC_PREFIX = "vllm:vineyard_cache_"
 #: Modules that must stay unimported when the cache is off.
 VINEYARD_MODULES = (
@@ -93,10 +92,6 @@ DEFAULT_LLM_KWARGS: dict[str, Any] = {
 # --------------------------------------------------------------------------
 # Parent side (pytest).
 # --------------------------------------------------------------------------
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
 def standard_prompts() -> list[list[int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -65,3 +66,12 @@ def resume_processes(pids: Iterable[int | None]) -> None:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+#: The vocabulary of the toy models and fake engines (ids 0-2 left out).
+VOCAB_SIZE = 32000
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """``n`` random token ids drawn from ``rng``."""
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]

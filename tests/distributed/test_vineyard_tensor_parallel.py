@@ -25,9 +25,9 @@ from tests.vineyard_engine_testing import (
     cacheable_prefix,
     engine_env,
     flip_a_payload_byte,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 from tests.vineyard_toy_model import make_toy_llama
 from vllm.worker.vineyard.storage.chunks import (
     ChunkFiles,

@@ -13,7 +13,8 @@ import random
 import time
 from pathlib import Path
 
-from tests.worker.vineyard_disk_testing import CHUNK_SIZE, make_tokens, open_cache
+from tests.worker.vineyard_cache_testing import make_tokens
+from tests.worker.vineyard_disk_testing import CHUNK_SIZE, open_cache
 from tests.worker.vineyard_glusterfs_testing import glusterfs_mounts
 from vllm.worker.vineyard.storage.root_files import (
     SWEEP_LOCK,

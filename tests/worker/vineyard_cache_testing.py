@@ -26,7 +26,12 @@ from unittest import mock
 
 import torch
 
-from tests.vineyard_testing import resume_processes, wait_for_writes, wait_until
+from tests.vineyard_testing import (
+    random_tokens,
+    resume_processes,
+    wait_for_writes,
+    wait_until,
+)
 from vllm.worker.vineyard.backend.protocol import BackendSettings, StatsRequest
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
@@ -172,17 +177,21 @@ def random_kv(
     head_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    any_bits: bool = True,
 ) -> torch.Tensor:
     """Random paged KV of all layers in one allocation (as vLLM's CPU
     backend allocates it): ``[num_layers, num_blocks, heads, block_size,
     2 * head_size]``. Random bytes, so every bit pattern (NaNs included)
-    must survive the round trip."""
+    must survive the round trip; ``any_bits=False``: normal values (for
+    tests that compare with ``torch.equal``)."""
     shape = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size)
+    gen = torch.Generator().manual_seed(seed)
+    if not any_bits:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
     element = torch.empty((), dtype=dtype).element_size()
     numel = 1
     for dim in shape:
         numel *= dim
-    gen = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (numel * element,), dtype=torch.uint8, generator=gen)
     return raw.view(dtype).view(shape)
 
@@ -229,10 +238,12 @@ def make_config(root: str | os.PathLike[str], **fields: Any) -> VineyardLLMCache
 _seeds = itertools.count(1000)
 
 
-def make_tokens(n: int, seed: int | None = None) -> list[int]:
-    """Random token ids; without a seed, different on every call."""
-    rng = random.Random(next(_seeds) if seed is None else seed)
-    return [rng.randrange(32000) for _ in range(n)]
+def make_tokens(n: int, seed: int | random.Random | None = None) -> list[int]:
+    """Random token ids from ``seed`` (a seed or a generator); without one,
+    different on every call."""
+    if not isinstance(seed, random.Random):
+        seed = random.Random(next(_seeds) if seed is None else seed)
+    return random_tokens(seed, n)
 
 
 def whole_chunks(n: int, chunk: int = CHUNK_SIZE) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -43,10 +42,6 @@ from vllm.worker.vineyard_llm_cache import SaveRequest
 NUM_BLOCKS = 256
 #: Where loads go: above every block a prefix is written from.
 LOAD_BLOCK = 128
-
-
-def make_tokens(n: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(1, 32000) for _ in range(n)]
 
 
 @dataclass

@@ -21,10 +21,10 @@ from tests.vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
-    random_tokens,
     run_engine,
     saved_tokens,
 )
+from tests.vineyard_testing import random_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -23,11 +23,11 @@ from tests.vineyard_engine_testing import (
     cacheable_prefix,
     common_prefix,
     engine_env,
-    random_tokens,
     run_engine,
     saved_tokens,
     whole_chunks,
 )
+from tests.vineyard_testing import random_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -17,9 +17,9 @@ from tests.vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 from vllm.worker.vineyard.storage.scan import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

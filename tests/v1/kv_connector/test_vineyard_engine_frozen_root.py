@@ -28,9 +28,9 @@ from tests.vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 from slow_fs import SlowFs  # noqa: E402

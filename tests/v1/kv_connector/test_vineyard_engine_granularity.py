@@ -30,9 +30,9 @@ from tests.vineyard_engine_testing import (
     ModelFactory,
     ReferenceRunner,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -24,9 +24,9 @@ from tests.vineyard_engine_testing import (
     BLOCK_SIZE,
     ReferenceRunner,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 from vllm.worker.vineyard.storage.chunks import (
     ChunkFiles,
     extend_digests,

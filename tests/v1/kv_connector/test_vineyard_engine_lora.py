@@ -23,9 +23,9 @@ from tests.vineyard_engine_testing import (
     EngineRun,
     cacheable_prefix,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 from tests.vineyard_toy_model import make_toy_lora
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

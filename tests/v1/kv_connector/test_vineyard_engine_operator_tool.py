@@ -26,10 +26,10 @@ from tests.vineyard_engine_testing import (
     cacheable_prefix,
     engine_env,
     flip_a_payload_byte,
-    random_tokens,
     run_engine,
     saved_tokens,
 )
+from tests.vineyard_testing import random_tokens
 from vllm.worker.vineyard.cli import main
 from vllm.worker.vineyard.storage.scan import scan_root
 

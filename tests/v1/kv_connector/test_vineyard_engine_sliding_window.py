@@ -26,9 +26,9 @@ from tests.vineyard_engine_testing import (
     ReferenceRunner,
     cacheable_prefix,
     engine_env,
-    random_tokens,
     run_engine,
 )
+from tests.vineyard_testing import random_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -30,13 +30,13 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     Step,
     WorkerHarness,
     admit,
+    fresh_tokens,
     make_config,
     make_layout,
     make_request,
     make_scheduler,
     num_blocks_for,
     only,
-    random_tokens,
     run_step,
     tp_workers,
 )
@@ -95,7 +95,7 @@ def test_digests_sent_once_and_blocks_appended(
     carries only the digests of chunks completed in that step (the prompt's
     and, later, the output's), the full block list once, then only the new
     blocks; the concatenation is exactly the request's chained digests."""
-    prompt = random_tokens(100)
+    prompt = fresh_tokens(100)
     req = make_request("r", prompt)
     assert admit(sched, req) == 0  # an empty root
 
@@ -131,7 +131,7 @@ def test_resume_after_preemption_replaces_blocks(
     """A preempted request comes back with new blocks: the delta replaces
     the worker's block list and sends no digest twice; ``save_from`` stays
     what the first lookup said."""
-    prompt = random_tokens(96)
+    prompt = fresh_tokens(96)
     req = make_request("p", prompt)
     admit(sched, req)
     d1 = only(run_step(sched, Step(new=[(req, [0, 1, 2, 3, 4, 5], 96)])))
@@ -153,7 +153,7 @@ def test_resume_after_preemption_replaces_blocks(
 def test_finished_request_is_forgotten(sched: VineyardConnectorScheduler) -> None:
     """After ``request_finished`` a step that still names the request
     (it cannot, in vLLM) carries nothing for it."""
-    req = make_request("f", random_tokens(64))
+    req = make_request("f", fresh_tokens(64))
     admit(sched, req)
     run_step(sched, Step(new=[(req, [0, 1, 2, 3], 64)]))
     sched.request_finished(req)
@@ -173,7 +173,7 @@ def test_lookup_loads_and_saves_from_cached_chunks(
     cache has the first: the external hit is chunks 1-2, the load range
     after ``update_state_after_alloc`` is exactly that, the digests sent
     cover it, and saves start after the cached chunks."""
-    prompt = random_tokens(5 * CHUNK_SIZE + 7)
+    prompt = fresh_tokens(5 * CHUNK_SIZE + 7)
     cache_prompt(config, worker, prompt, 3 * CHUNK_SIZE)
     req = make_request("hit", prompt)
     assert admit(sched, req, num_local_tokens=CHUNK_SIZE) == 2 * CHUNK_SIZE
@@ -200,7 +200,7 @@ def test_no_external_tokens_no_load(
 ) -> None:
     """When vLLM's local prefix cache already covers every cached chunk,
     there is nothing to load, but saves still start after the cached part."""
-    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(3 * CHUNK_SIZE + 1)
     cache_prompt(config, worker, prompt, 2 * CHUNK_SIZE)
     req = make_request("local", prompt)
     assert admit(sched, req, num_local_tokens=2 * CHUNK_SIZE) == 0
@@ -218,7 +218,7 @@ def test_at_least_one_token_is_computed(
     (vLLM must compute the last token to sample): the last chunk is loaded
     in part, its digests are all sent (the read names the whole chunk), and
     the worker fills exactly the hit's blocks."""
-    prompt = random_tokens(3 * CHUNK_SIZE)
+    prompt = fresh_tokens(3 * CHUNK_SIZE)
     cache_prompt(config, worker, prompt + [5], 3 * CHUNK_SIZE)
     req = make_request("exact", prompt)
     hit = 3 * CHUNK_SIZE - BLOCK_SIZE
@@ -304,7 +304,7 @@ def test_requests_are_cached_under_their_own_keys(
     saved and found under what determines its KV: the same again hits, a
     variant (other embeddings, another image or placement, another or a
     retrained adapter) and the bare token ids miss."""
-    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(3 * CHUNK_SIZE + 1)
     tokens = None if kind == "embeds" else prompt
     first, others = _variants(kind, tmp_path, len(prompt))
     cache_prompt(config, worker, tokens, 3 * CHUNK_SIZE, **first)
@@ -320,7 +320,7 @@ def test_requests_are_cached_under_their_own_keys(
 def test_blocks_before_an_image_are_shared(sched: VineyardConnectorScheduler) -> None:
     """An image changes the KV from its placeholder on, not before it: the
     digests of the blocks before it equal the bare prompt's."""
-    prompt = random_tokens(4 * BLOCK_SIZE)
+    prompt = fresh_tokens(4 * BLOCK_SIZE)
 
     def sent(req_id: str, **kwargs: Any) -> list[bytes]:
         req = make_request(req_id, prompt, **kwargs)
@@ -338,7 +338,7 @@ def test_cache_salt_digests(sched: VineyardConnectorScheduler) -> None:
     """Salted requests are cached under their salt: the digests sent for
     one prompt differ between two salts and from no salt, and are the same
     for the same salt."""
-    prompt = random_tokens(64)
+    prompt = fresh_tokens(64)
 
     def sent(req_id: str, salt: str | None) -> list[bytes]:
         req = make_request(req_id, prompt, cache_salt=salt)
@@ -357,7 +357,7 @@ def test_cache_salt_lookups(
     sched: VineyardConnectorScheduler,
 ) -> None:
     """What a salted request saved is found by the same salt only."""
-    prompt = random_tokens(2 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(2 * CHUNK_SIZE + 1)
     cache_prompt(config, worker, prompt, 2 * CHUNK_SIZE, salt="tenant-a")
     found = {
         salt: admit(sched, make_request(f"s-{salt}", prompt, cache_salt=salt))
@@ -388,7 +388,7 @@ def test_tp_lookup_is_the_minimum_across_ranks(
     shard): a chunk is usable only if every rank has it, so the scheduler's
     hit (and ``save_from``) is the minimum, with and without a local hit."""
     config, workers = rank_workers
-    prompt = random_tokens(5 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(5 * CHUNK_SIZE + 1)
     for w, chunks in zip(workers, saved, strict=True):
         if chunks:
             cache_prompt(config, w, prompt, chunks * CHUNK_SIZE)
@@ -421,6 +421,6 @@ def test_missing_rank_handshake_turns_the_cache_off(
         config, BLOCK_SIZE, config.chunk_tokens(BLOCK_SIZE), tp_size=2
     )
     sched.set_handshakes({0: VineyardHandshake(make_layout(2, 0))})
-    req = make_request("off", random_tokens(100))
+    req = make_request("off", fresh_tokens(100))
     assert admit(sched, req) == 0
     assert run_step(sched, Step(new=[(req, list(range(7)), 100)])).requests == []

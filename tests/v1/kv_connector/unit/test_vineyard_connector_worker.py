@@ -32,13 +32,13 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     WorkerHarness,
     admit,
     allocate,
+    fresh_tokens,
     make_config,
     make_layout,
     make_request,
     make_scheduler,
     make_worker,
     only,
-    random_tokens,
     report_to,
     run_step,
     tp_workers,
@@ -77,7 +77,7 @@ def test_metadata_load_fills_blocks(
     """A second request for a saved prompt, in other blocks: the load the
     metadata carries fills exactly the blocks of the cached chunks with the
     saved KV, and leaves the block being computed alone."""
-    prompt = random_tokens(4 * CHUNK_SIZE + 5)
+    prompt = fresh_tokens(4 * CHUNK_SIZE + 5)
     save_prompt(config, worker, prompt, list(range(0, 9)))
     expected = worker.kv[:, 0:8].clone()
 
@@ -120,7 +120,7 @@ def test_short_load_reports_exactly_the_unloaded_blocks(
     ``take_load_errors`` (vLLM's ``get_block_ids_with_load_errors``) is
     exactly the blocks of chunks 2-3, once; a bad chunk is counted and
     removed, so the next lookup stops before it."""
-    prompt = random_tokens(4 * CHUNK_SIZE + 3)
+    prompt = fresh_tokens(4 * CHUNK_SIZE + 3)
     save_prompt(config, worker, prompt, list(range(30, 39)))
     expected = worker.kv[:, 30:34].clone()
     sched = make_scheduler(config, [worker.layout])
@@ -155,7 +155,7 @@ def test_a_stalled_load_is_recomputed_and_saved(tmp_path: Path) -> None:
     config = make_config(tmp_path, backend_timeout_s=2.0)
     w = make_worker(config, make_layout())
     try:
-        prompt = random_tokens(6 * CHUNK_SIZE + 3)
+        prompt = fresh_tokens(6 * CHUNK_SIZE + 3)
         save_prompt(config, w, prompt[: 4 * CHUNK_SIZE + 1], list(range(0, 5)))
         sched = make_scheduler(config, [w.layout])
         req = make_request("short-then-recomputed", prompt)
@@ -190,7 +190,7 @@ def test_preempted_while_saving_loses_nothing(
     new blocks. The staged bytes are what gets written: a later load
     returns the original KV. After the resume the worker saves from the new
     blocks, and every chunk is written once."""
-    prompt = random_tokens(3 * CHUNK_SIZE + 10)
+    prompt = fresh_tokens(3 * CHUNK_SIZE + 10)
     sched = make_scheduler(config, [worker.layout])
     req = make_request("preempt", prompt)
     admit(sched, req)
@@ -252,7 +252,7 @@ def test_one_rank_write_failure_is_retried(
     os.rename(rank1_root, rank1_root + ".away")
     with open(rank1_root, "w") as f:
         f.write("not a directory")
-    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(3 * CHUNK_SIZE + 1)
     sched = make_scheduler(config, layouts)
     req = make_request("tp-fail", prompt)
     assert admit(sched, req) == 0
@@ -297,7 +297,7 @@ def test_short_load_on_one_rank_saves_again_on_every_rank(
     both ranks, with rank 0's original bytes."""
     config, workers = rank_workers
     layouts = [w.layout for w in workers]
-    prompt = random_tokens(3 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(3 * CHUNK_SIZE + 1)
     sched = make_scheduler(config, layouts)
     first = make_request("tp-first", prompt)
     admit(sched, first)
@@ -346,7 +346,7 @@ def test_no_hits_are_promised_while_a_rank_cannot_load(
     hits are promised again."""
     config, workers = rank_workers
     layouts = [w.layout for w in workers]
-    prompt = random_tokens(2 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(2 * CHUNK_SIZE + 1)
     sched = make_scheduler(config, layouts)
     first = make_request("down-first", prompt)
     admit(sched, first)
@@ -370,7 +370,7 @@ def test_abort_during_a_load_stops_its_writes(
     is reported finished at once, so vLLM can free its blocks, and when the
     reader answers later nothing is written into them; the loads after it
     go on."""
-    prompt = random_tokens(2 * CHUNK_SIZE + 1)
+    prompt = fresh_tokens(2 * CHUNK_SIZE + 1)
     save_prompt(config, worker, prompt, [0, 1, 2, 3, 4])
     sched = make_scheduler(config, [worker.layout])
     req = make_request("aborted", prompt)
@@ -404,7 +404,7 @@ def test_close_during_a_load(tmp_path: Path) -> None:
     config = make_config(tmp_path / "root", backend_timeout_s=300.0)
     w = make_worker(config, make_layout())
     try:
-        prompt = random_tokens(2 * CHUNK_SIZE + 1)
+        prompt = fresh_tokens(2 * CHUNK_SIZE + 1)
         save_prompt(config, w, prompt, [0, 1, 2, 3, 4])
         sched = make_scheduler(config, [w.layout])
         req = make_request("closing", prompt)

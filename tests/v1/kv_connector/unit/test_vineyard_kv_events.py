@@ -30,6 +30,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
 from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
@@ -39,7 +40,6 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     create_scheduler,
     create_vllm_config,
     make_model_dir,
-    random_tokens,
 )
 from tests.vineyard_testing import resume_processes
 
@@ -102,7 +102,7 @@ def test_saved_blocks_are_announced_then_their_eviction(
 ) -> None:
     engine, worker = rig
     published = Published(engine)
-    prompt = random_tokens(4 * BLOCK_SIZE + 5)
+    prompt = fresh_tokens(4 * BLOCK_SIZE + 5)
     request = engine.add(create_request("events", prompt, max_tokens=8))
     hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
     engine.run_until(lambda _: len(published.stored()) > 0)
@@ -133,7 +133,7 @@ def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
     )
     worker = FakeWorker(config)
     engine = Engine(create_scheduler(config), worker)
-    prompt = random_tokens(MAX_NUM_BATCHED_TOKENS + 2 * BLOCK_SIZE)
+    prompt = fresh_tokens(MAX_NUM_BATCHED_TOKENS + 2 * BLOCK_SIZE)
     request = create_request("reset", prompt, max_tokens=3 * BLOCK_SIZE)
     hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
     missing: list[int] = []

@@ -29,6 +29,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
 from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     MAX_NUM_BATCHED_TOKENS,
@@ -43,7 +44,6 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     create_vllm_config,
     expected_blocks,
     make_model_dir,
-    random_tokens,
 )
 from tests.vineyard_testing import resume_processes, wait_until
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
@@ -205,7 +205,7 @@ def test_pending_lookup_then_hit_loads_the_saved_bytes(
     the first request's bytes in the loaded blocks."""
     worker = rig.worker()
     engine = rig.engine(worker)
-    prompt = random_tokens(prompt_len)
+    prompt = fresh_tokens(prompt_len)
     saved = cache_prompt(engine, f"t1-save-{prompt_len}", prompt)
     gate.close()
     worker.kv.fill_(-1.0)  # nothing but a load can put those bytes back
@@ -257,7 +257,7 @@ class TimedOut:
 def time_out_a_lookup(rig: Rig, gate: LookupGate, timeout_s: float) -> TimedOut:
     """A cached prompt whose lookup hangs (the gate stays closed) until the
     request is scheduled."""
-    prompt = random_tokens(3 * BLOCK_SIZE + 4)
+    prompt = fresh_tokens(3 * BLOCK_SIZE + 4)
     worker = rig.worker()
     cache_prompt(rig.engine(worker), f"timeout-save-{prompt[0]}", prompt)
     gate.close()
@@ -343,7 +343,7 @@ def test_load_error_recomputes_from_the_first_bad_chunk(
     bpc = layout.blocks_per_chunk
     hit_blocks = 4
     engine = rig.engine(worker)
-    prompt = random_tokens(hit_blocks * BLOCK_SIZE + 5)
+    prompt = fresh_tokens(hit_blocks * BLOCK_SIZE + 5)
     saved = cache_prompt(engine, f"t3-save-{chunk_size}-{bad_block}", prompt)
     worker.kv.fill_(-1.0)
     path = worker.chunk_path(prompt, bad_block // bpc)
@@ -417,7 +417,7 @@ def test_abort_while_loading_frees_blocks_after_the_worker_reports(
     load is dropped and the next request's load is exact."""
     worker = rig.worker()
     engine = rig.engine(worker)
-    prompt = random_tokens(4 * BLOCK_SIZE + 5)
+    prompt = fresh_tokens(4 * BLOCK_SIZE + 5)
     saved = cache_prompt(engine, "t4-save", prompt)
     hit = 4 * BLOCK_SIZE
     pool = engine.scheduler.kv_cache_manager.block_pool
@@ -482,7 +482,7 @@ def test_preempted_after_a_load_is_loaded_again_into_new_blocks(rig: Rig) -> Non
     engine = rig.engine(
         worker, num_blocks=12, enable_prefix_caching=False, policy="priority"
     )
-    prompt = random_tokens(4 * BLOCK_SIZE + 5)
+    prompt = fresh_tokens(4 * BLOCK_SIZE + 5)
     cache_prompt(engine, "t5-save", prompt)
     worker.kv.fill_(-1.0)
 
@@ -490,7 +490,7 @@ def test_preempted_after_a_load_is_loaded_again_into_new_blocks(rig: Rig) -> Non
     rid = req.request_id
     first = len(engine.records)
     engine.run_until(lambda r: r.num_scheduled(rid) > 0)  # loaded, running
-    grower = engine.add(create_request("t5-grower", random_tokens(48), max_tokens=60))
+    grower = engine.add(create_request("t5-grower", fresh_tokens(48), max_tokens=60))
 
     def preempted(record: StepRecord) -> bool:
         return rid in (record.scheduler_output.preempted_req_ids or ())
@@ -554,7 +554,7 @@ def test_images_key_the_blocks_from_their_placeholder_on(rig: Rig) -> None:
     bytes that were saved."""
     worker = rig.worker()
     engine = rig.engine(worker, encoder_budget=1024)
-    prompt = random_tokens(5 * BLOCK_SIZE + 3)
+    prompt = fresh_tokens(5 * BLOCK_SIZE + 3)
     saved = cache_prompt(engine, "img-save", prompt, mm_features=[_image("image-a")])
 
     def first_scheduled(req_id: str, image: str) -> tuple[int, Request]:

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import RequestStatus
 
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
 from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
     LAYER_NAMES,
@@ -43,7 +44,6 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     expected_blocks,
     make_kv_cache_config,
     make_model_dir,
-    random_tokens,
 )
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector.scheduler import NULL_BLOCK_ID
@@ -137,7 +137,7 @@ def test_retried_saves_never_gather_blocks_vllm_freed(
     requests' own KV; the null block is never written."""
     rig = one_buffer
     engine, worker = rig.engine(), rig.worker
-    prompts = [random_tokens(6 * BLOCK_SIZE + 3) for _ in range(2)]
+    prompts = [fresh_tokens(6 * BLOCK_SIZE + 3) for _ in range(2)]
     reqs = [
         engine.add(create_request(f"sw-{i}", p, max_tokens=3 * BLOCK_SIZE))
         for i, p in enumerate(prompts)
@@ -191,7 +191,7 @@ def test_a_load_fills_only_the_blocks_vllm_allocated(
     null block), and the load fills exactly those, with the saved bytes."""
     rig = default_rig
     worker = rig.worker
-    prompt = random_tokens(8 * BLOCK_SIZE + 5)
+    prompt = fresh_tokens(8 * BLOCK_SIZE + 5)
     first = rig.engine()
     first.add(create_request("sw-save", prompt, max_tokens=1))
     first.drain()
@@ -277,7 +277,7 @@ def test_an_unsupported_kv_cache_runs_with_the_cache_off(
         )
         assert worker.get_handshake_metadata() is None
         scheduler.set_xfer_handshake_metadata({})
-        request = create_request("off", random_tokens(4 * BLOCK_SIZE))
+        request = create_request("off", fresh_tokens(4 * BLOCK_SIZE))
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
         stats = scheduler.get_kv_connector_stats()
         assert stats is not None and stats.data["unsupported_models"] == 1

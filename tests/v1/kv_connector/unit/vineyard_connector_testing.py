@@ -17,11 +17,11 @@ first block they could not load.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ from vllm.v1.core.sched.output import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from tests.vineyard_testing import resume_processes, wait_for_writes
+from tests.vineyard_testing import random_tokens, resume_processes, wait_for_writes
+from tests.worker import vineyard_cache_testing as cache_testing
 from tests.worker.vineyard_cache_testing import TestingCache
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.metadata import (
@@ -57,29 +58,26 @@ MAX_NUM_BATCHED_TOKENS = 128
 VOCAB_SIZE = 32000
 
 
-def make_config(root: Path, **fields: Any) -> VineyardLLMCacheConfig:
-    base: dict[str, Any] = {
-        "root": str(root),
-        "chunk_size": CHUNK_SIZE,
-        "cpu_mem_limit_gb": 0.5,
-        "backend_timeout_s": 30.0,
-        "drain_timeout_s": 5.0,
-    }
-    return replace(VineyardLLMCacheConfig(), **{**base, **fields})
-
-
-def random_kv(seed: int) -> torch.Tensor:
-    """Random paged KV of every layer in one allocation, as vLLM's CPU
-    backend allocates it: ``[layers, blocks, heads, block_size, 2 * head]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(
-        NUM_LAYERS,
-        NUM_BLOCKS,
-        NUM_KV_HEADS,
-        BLOCK_SIZE,
-        2 * HEAD_SIZE,
-        generator=gen,
-    )
+#: The settings of a connector test's cache (see the cache tests' helper).
+make_config = functools.partial(
+    cache_testing.make_config,
+    chunk_size=CHUNK_SIZE,
+    cpu_mem_limit_gb=0.5,
+    backend_timeout_s=30.0,
+)
+#: ``random_kv(seed)``: random paged KV of every layer in one allocation, as
+#: vLLM's CPU backend allocates it: ``[layers, blocks, heads, block_size,
+#: 2 * head]``.
+random_kv = functools.partial(
+    cache_testing.random_kv,
+    NUM_LAYERS,
+    NUM_BLOCKS,
+    NUM_KV_HEADS,
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    torch.float32,
+    any_bits=False,
+)
 
 
 def make_layout(tp_size: int = 1, tp_rank: int = 0) -> KVCacheLayout:
@@ -193,9 +191,9 @@ def make_scheduler(
 _rng = random.Random(1234)
 
 
-def random_tokens(n: int) -> list[int]:
+def fresh_tokens(n: int) -> list[int]:
     """Fresh random token ids (a new prompt on every call)."""
-    return [_rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+    return random_tokens(_rng, n)
 
 
 def make_request(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -240,14 +239,6 @@ def create_request(
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         **kwargs,
     )
-
-
-_rng = random.Random(4321)
-
-
-def random_tokens(n: int) -> list[int]:
-    """Fresh random token ids (a new prompt on every call)."""
-    return [_rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
 # ---- the fake model: deterministic KV per token -----------------------------
