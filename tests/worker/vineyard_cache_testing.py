@@ -162,7 +162,8 @@ class TestingCache(VineyardLLMCache):
 
 @contextlib.contextmanager
 def testing_caches() -> Iterator[None]:
-    """Connector workers registered within build :class:`TestingCache`\ s."""
+    """Connector workers registered within this block build their cache as a
+    :class:`TestingCache`."""
     with mock.patch(
         "vllm.worker.vineyard.connector.worker.VineyardLLMCache", TestingCache
     ):
