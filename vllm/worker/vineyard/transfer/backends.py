@@ -8,6 +8,7 @@ and the chunk files the backends removed."""
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, TypeVar
 
 from vllm.worker.vineyard.backend.client import BackendProcess
@@ -36,6 +37,9 @@ class BackendCalls:
         self._restarts_counted: dict[str, int] = {}
         # Chunk files the backends removed (reported by the worker).
         self._removed_paths: collections.deque[str] = collections.deque()
+        # A call is a send and its receive: callers on two threads (the
+        # updater and a stats poll) must not interleave them.
+        self._call_lock = threading.Lock()
 
     def send(self, backend: BackendProcess, request: Request[Any]) -> None:
         try:
@@ -69,8 +73,9 @@ class BackendCalls:
         self, backend: BackendProcess, request: Request[CacheReplyT]
     ) -> CacheReplyT:
         """Send one request and wait for its answer."""
-        self.send(backend, request)
-        reply: CacheReplyT = self.receive(backend, request.reply_type)
+        with self._call_lock:
+            self.send(backend, request)
+            reply: CacheReplyT = self.receive(backend, request.reply_type)
         return reply
 
 
