@@ -76,6 +76,8 @@ MAX_NUM_BATCHED_TOKENS = 64
 NUM_BLOCKS = 64  # of the worker's KV tensors (and by default the scheduler's)
 VOCAB_SIZE = 32000
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+#: The least time run_until steps for before it gives up (see there).
+MIN_RUN_S = 30.0
 
 
 # ---- configs, scheduler and requests (after vLLM's unit/utils.py) -----------
@@ -510,13 +512,18 @@ class Engine:
         before_execute: Callable[[SchedulerOutput], None] | None = None,
     ) -> StepRecord:
         """Step until ``done`` holds for a step (loads finish in the
-        background: the steps pause a little); fails after ``max_steps``."""
-        for _ in range(max_steps):
+        background: the steps pause a little); fails after ``max_steps``
+        steps and at least :data:`MIN_RUN_S` seconds (lookups and loads have
+        deadlines in time, and a loaded machine runs fewer steps in it)."""
+        deadline = time.monotonic() + MIN_RUN_S
+        steps = 0
+        while steps < max_steps or time.monotonic() < deadline:
             record = self.step(before_execute)
+            steps += 1
             if done(record):
                 return record
             time.sleep(pause_s)
-        raise AssertionError(f"not done after {max_steps} steps")
+        raise AssertionError(f"not done after {steps} steps")
 
     def drain(self, max_steps: int = 200) -> None:
         """Step until every request has finished and been freed."""
