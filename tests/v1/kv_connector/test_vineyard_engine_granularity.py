@@ -44,7 +44,12 @@ SALT = "tenant-a"
 # name -> (engine arguments, cache settings, salted). vLLM's CPU attention
 # takes blocks of multiples of 32 (16 is refused at startup).
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str], bool]] = {
-    "fp32-block32": ({"dtype": "float32", "block_size": 32}, {}, True),
+    # Chunks of several blocks, checked exactly (float32).
+    "fp32-block32-chunk128": (
+        {"dtype": "float32", "block_size": 32},
+        {"VINEYARD_CACHE_CHUNK_SIZE": "128"},
+        True,
+    ),
     "bf16-block32": ({"dtype": "bfloat16", "block_size": 32}, {}, False),
     "fp32-block128": ({"dtype": "float32", "block_size": 128}, {}, False),
     "bf16-block64-chunk256-key": (
@@ -124,6 +129,7 @@ def variant(
             "prompts": list(prompts.values()),
             "max_tokens": MAX_TOKENS,
             "cache_salt": salt,
+            "one_by_one": True,
         },
     ]
     if salted:  # another tenant's salt shares nothing
@@ -150,16 +156,21 @@ def variant(
 def test_outputs_identical_to_no_cache(variant: dict[str, Any]) -> None:
     """Identical in float32. In bfloat16 a prefill split at another token
     (a loaded prefix vs one pass) rounds differently, as with vLLM's own
-    prefix cache, and a near tie can flip a later greedy token (seen once
-    in 8 tokens of one prompt): there every first token must match, and
-    the first round (no hits) entirely."""
+    prefix cache, and a near tie can flip a greedy token: seen once in 8
+    tokens of one prompt, and, on a CPU without AVX-512 (bfloat16 through
+    float32), the first token of one of 8 prompts while another prompt
+    that loads the same 512 tokens matched. There the first round (no
+    hits) must match entirely and every first token but one; the float32
+    variants check the same paths exactly, chunks of several blocks
+    included."""
     run: EngineRun = variant["run"]
     assert run.rounds[0].outputs == variant["first_outputs"]
     if VARIANTS[variant["name"]][0]["dtype"] == "float32":
         assert run.rounds[1].outputs == variant["second_outputs"]
     else:
         firsts = [o[0] for o in run.rounds[1].outputs]
-        assert firsts == [o[0] for o in variant["second_outputs"]]
+        wanted = [o[0] for o in variant["second_outputs"]]
+        assert sum(a != b for a, b in zip(firsts, wanted, strict=True)) <= 1
     assert run.last.counter("load_errors") == 0
     assert run.last.counter("corrupt_chunks") == 0
 
