@@ -72,6 +72,15 @@ def sweeper(root: Path, limit_chunks: float = 1e6, ttl_s: float = 0.0) -> RootSw
     return RootSweeper(str(root), int(limit_chunks * CHUNK_BYTES), ttl_s, 3600.0)
 
 
+def sweep_now(s: RootSweeper, now: float | None = None) -> None:
+    """A pass by ``s`` now, after any pass that holds the root's lock (a
+    real cache's sweeper runs the passes its writer asks for)."""
+    deadline = time.monotonic() + 30
+    while not s.sweep(now):
+        assert time.monotonic() < deadline, "the root's lock stayed held"
+        time.sleep(0.02)
+
+
 def set_root(root: str, limit_bytes: int, ttl_s: float = 0.0) -> RootSweeper:
     """A sweeper of a root whose settings are changed on purpose first (a
     real cache's own sweeper recorded its settings there already)."""
@@ -387,9 +396,10 @@ def chunk_paths(h: Harness, tokens: list[int], num_chunks: int = 4) -> list[str]
 def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
     """A budget of 12 chunks; a hot and a cold prefix (4 chunks each),
     written long ago; then 10 rounds each writing a new prefix (written
-    later than the last) and loading the hot one (a verified hit marks its
-    chunks used), and a sweep. The hot prefix is loaded whole every time,
-    however old its write; the cold one is evicted first."""
+    later than the last; whole, once the writer's sweeper made room) and
+    loading the hot one (a verified hit marks its chunks used), and a
+    sweep. The hot prefix is loaded whole every time, however old its
+    write; the cold one is evicted first."""
     h = cache
     root = Path(h.cache.config.root)
     hot, cold, *news = prefixes(12, seed=1)
@@ -400,19 +410,19 @@ def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
             age(p, start)
     chunk_bytes = disk_bytes(chunk_paths(h, hot)[0])
     s = set_root(str(root), 12 * chunk_bytes + chunk_bytes // 2)
-    evicted = 0
+    assert h.load(hot) == 4 * CHUNK_SIZE  # in use before the writes begin
     for r, tokens in enumerate(news[:10]):
-        h.write(tokens)
-        for p in chunk_paths(h, tokens):
-            age(p, start + 100 * (r + 1))  # a later write than the last one
-        assert h.load(hot) == 4 * CHUNK_SIZE  # verified and bit-exact
-        s.sweep()
-        evicted += s.take_stats()["evicted_chunks"]
+        h.write_whole(tokens)
+        sweep_now(s)
         assert len(chunk_files(root)) <= 12
+        # A later write than the last one: set back once the sweeper saw
+        # it (a last use moved back is believed, see ObservedLastUse).
+        for p in chunk_paths(h, tokens):
+            age(p, start + 100 * (r + 1))
+        assert h.load(hot) == 4 * CHUNK_SIZE  # verified and bit-exact
     assert all(os.path.exists(p) for p in chunk_paths(h, hot))
     assert not any(os.path.exists(p) for p in chunk_paths(h, cold))
     assert h.load(cold) == 0
-    assert evicted == 2 * 4 + 10 * 4 - len(chunk_files(root))
     # The last prefixes written are cached as well.
     assert h.load(news[9]) == 4 * CHUNK_SIZE
 
@@ -431,7 +441,7 @@ def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
         age(p, now)
     age(paths[1], now - 100)  # the least recently used
     total = sum(disk_bytes(p) for p in paths)
-    set_root(h.cache.config.root, total).sweep(now)
+    sweep_now(set_root(h.cache.config.root, total), now)
     # Chunk 1 first (least recently used), then chunk 3 (the tail of the
     # rest): chunk 2 stays on disk behind the gap.
     assert [os.path.exists(p) for p in paths] == [True, False, True, False]
@@ -444,8 +454,8 @@ def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
     assert counters["loaded_tokens"] == CHUNK_SIZE
     assert counters["load_errors"] == 1 and counters["corrupt_chunks"] == 0
 
-    h.write(tokens)
-    assert h.load(tokens) == 4 * CHUNK_SIZE
+    set_root(h.cache.config.root, 1 << 40)  # room for the prefix again
+    h.write_whole(tokens)
 
 
 def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None:
@@ -458,9 +468,9 @@ def test_cache_writes_after_the_sweeper_emptied_the_root(cache: Harness) -> None
     h.write(first)
     later = time.time() + 10 * TEMP_MAX_AGE_S
     s = set_root(root, 1 << 40, ttl_s=60.0)
-    s.sweep(later)  # the chunks expire ...
+    sweep_now(s, later)  # the chunks expire ...
     assert chunk_files(root) == []
-    s.sweep(later)  # ... and the folders they leave go the next pass
+    sweep_now(s, later)  # ... and the folders they leave go the next pass
     # Only the namespace's manifest stays (never removed), if it has one,
     # and the sweepers' files.
     namespace_dir = h.files.root
@@ -487,17 +497,40 @@ BUDGET = 2 << 20  # about 100 chunks of the real cache (20 KiB on disk each)
 def bytes_on_disk(root: Path | str) -> tuple[int, int]:
     """The chunk files under ``root``: their space on disk, and the largest
     one's."""
-    sizes = [disk_bytes(p) for p in chunk_files(root)]
+    sizes = []
+    for path in chunk_files(root):
+        with contextlib.suppress(FileNotFoundError):  # the sweeper's thread
+            sizes.append(disk_bytes(path))
     return sum(sizes), max(sizes, default=0)
 
 
+def settled(caches: list[Harness], root: Path) -> dict[str, int]:
+    """The writers' counts (summed) and the chunks left, once a background
+    pass that may be running has finished (the same twice, 0.2 s apart)."""
+    last: dict[str, int] = {}
+    for _ in range(100):
+        now = {"left": len(chunk_files(root))}
+        for h in caches:
+            h.poll_stats()
+            for name, value in h.counters().items():
+                now[name] = now.get(name, 0) + value
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.2)
+    raise AssertionError("the writers' sweeps did not settle")
+
+
 def test_budget_holds_between_sweeps(tmp_path: Path) -> None:
-    """A 2 MiB budget and periodic sweeps an hour apart (none during the
-    test): 60 prefixes of 4 chunks (about 5 MB) written through a real
-    cache. After every save the chunk files on disk take at most the budget
-    plus one chunk: the writer makes room before it writes. Every chunk
-    written and gone was evicted and counted; nothing failed; the newest
-    prefix loads whole (what goes is the least recently used)."""
+    """A 2 MiB budget and periodic sweeps an hour apart: 60 prefixes of 4
+    chunks (about 5 MB) written through a real cache. After every save the
+    chunk files on disk take at most the budget plus one chunk: a write
+    stores only the chunks that fit, and the writer's sweeper makes room in
+    the background (asked for past the high-water mark, ahead of need).
+    Every chunk written and gone was evicted and counted, every chunk not
+    written was skipped for room and counted; nothing failed; a prefix
+    written again once there is room loads whole (what goes is the least
+    recently used)."""
     root = tmp_path / "root"
     h = open_cache(root, disk_limit_gb=BUDGET / 2**30, sweep_interval_s=3600.0)
     try:
@@ -509,65 +542,75 @@ def test_budget_holds_between_sweeps(tmp_path: Path) -> None:
             largest, peak = max(largest, big), max(peak, total)
             assert total <= BUDGET + largest, (total, BUDGET, largest)
         assert peak > 0.8 * BUDGET  # it did fill up
-        h.poll_stats()
-        c = h.counters()
+        c = settled([h], root)
         assert c["write_errors"] == 0 and c["updates_failed"] == 0
-        assert c["tokens_rejected"] == 0
-        left = len(chunk_files(root))
-        assert c["evicted_chunks"] == 4 * len(written) - left > 0
-        assert h.load(written[-1]) == 4 * CHUNK_SIZE
+        skipped = c["chunks_skipped_for_room"]
+        assert c["tokens_rejected"] == skipped * CHUNK_SIZE
+        assert c["evicted_chunks"] == 4 * len(written) - skipped - c["left"] > 0
+        h.write_whole(written[-1])
         assert bytes_on_disk(root)[0] <= BUDGET
     finally:
         h.cache.close()
 
 
-def test_make_room_counts_writes_between_scans(tmp_path: Path) -> None:
-    """The writer's side on its own: the first write runs a pass (the root
-    may be full already); writes that fit the estimate (the last pass's
-    scan plus what was reserved since) need none; one that would pass the
-    limit runs a pass that evicts room for it too, least recently used
-    first; what a write did not store is given back."""
+def test_writes_store_what_fits_and_ask_for_room(tmp_path: Path) -> None:
+    """The writer's side on its own: writes that fit the estimate (the last
+    pass's scan plus what was reserved since) go; of a write that would pass
+    the limit only the chunks that fit go, and a pass is asked for (run on
+    the sweeper's thread, never by the write) that evicts room for the
+    rest, least recently used first; what a write did not store is given
+    back. A root no pass measured yet takes writes by the ledger and asks
+    for a pass at once."""
     now = time.time()
     for i in range(8):
         put_file(chunk_path(tmp_path, i), now - 1000 + i)
     s = sweeper(tmp_path, limit_chunks=10)
-    assert s.make_room(CHUNK_BYTES)  # never measured: a pass, nothing to evict
-    assert s.take_stats()["evicted_chunks"] == 0
+    assert s.make_room([CHUNK_BYTES]) == 1 and s.pass_asked  # never measured
     put_file(chunk_path(tmp_path, 8), now)
     s.wrote(CHUNK_BYTES)
-    assert not s.make_room(CHUNK_BYTES)  # 10 chunks: exactly the limit
+    assert s.run_requested_pass() and not s.pass_asked  # 9: nothing to evict
+    assert s.take_stats()["evicted_chunks"] == 0
+    assert s.make_room([0, 0]) == 2 and not s.pass_asked  # on disk already
+    # 10 chunks: exactly the limit, past the high-water mark: the write
+    # goes, and a pass is asked for ahead of need.
+    assert s.make_room([0, CHUNK_BYTES]) == 2 and s.pass_asked
     put_file(chunk_path(tmp_path, 9), now)
     s.wrote(CHUNK_BYTES)
-    assert s.writer_passes == 1
-    # Two more would pass the limit: a pass, room for them below the
-    # high-water mark (9.5 chunks here, 7 left).
-    assert s.make_room(2 * CHUNK_BYTES)
+    # Two more would pass the limit: neither goes; the pass makes room for
+    # them below the high-water mark (9 chunks here, 7 left).
+    assert s.make_room([CHUNK_BYTES, CHUNK_BYTES]) == 0 and s.pass_asked
+    s.wrote(0)
+    assert s.run_requested_pass()
     stats = s.take_stats()
     assert stats["root_chunks"] == 7 and stats["evicted_chunks"] == 3
     assert chunk_path(tmp_path, 9).exists() and not chunk_path(tmp_path, 2).exists()
-    # That write stored nothing: its room is given back, and 3 fit.
-    s.wrote(0)
-    assert not s.make_room(3 * CHUNK_BYTES)
-    assert s.writer_passes == 2
+    # Of four, three fit; the fourth asks for a pass.
+    assert s.make_room([CHUNK_BYTES] * 4) == 3 and s.pass_asked
+    assert s.requested_passes == 2
 
 
 def test_writers_share_the_roots_usage(tmp_path: Path) -> None:
     """Two writers (two processes' sweepers) on one root count each
     other's reservations through the root's ledger: the second needs no
     scan of its own, and the one whose write would take the root past the
-    limit, whoever reserved the rest, makes room."""
+    limit, whoever reserved the rest, asks for room."""
     now = time.time()
     for i in range(6):
         put_file(chunk_path(tmp_path, i), now - 1000 + i)
     a, b = sweeper(tmp_path, limit_chunks=10), sweeper(tmp_path, limit_chunks=10)
-    assert a.make_room(CHUNK_BYTES)  # measures the root: 6 chunks
-    assert not b.make_room(2 * CHUNK_BYTES)  # 9: by a's measure
-    assert not a.make_room(CHUNK_BYTES)  # 10
-    assert b.passes == 0
-    assert b.make_room(CHUNK_BYTES)  # 11: a pass first
-    assert b.passes == 1 and a.writer_passes == b.writer_passes == 1
-    # Nothing was written meanwhile: 6 on disk, room enough.
+    assert a.make_room([CHUNK_BYTES]) == 1
+    put_file(chunk_path(tmp_path, 6), now)
+    a.wrote(CHUNK_BYTES)
+    assert a.run_requested_pass()  # measures the root: 7 chunks
+    assert b.make_room([CHUNK_BYTES] * 2) == 2  # 9: by a's measure
+    assert not (a.pass_asked or b.pass_asked) and b.passes == 0
+    assert a.make_room([CHUNK_BYTES]) == 1 and a.pass_asked  # 10: high water
+    assert b.make_room([CHUNK_BYTES]) == 0 and b.pass_asked  # 11
+    assert b.run_requested_pass()
+    assert b.passes == 1 and a.requested_passes == b.requested_passes == 1
+    # The three reserved were never written: 7 on disk, room enough.
     assert b.take_stats()["evicted_chunks"] == 0
+    assert b.make_room([CHUNK_BYTES]) == 1
 
 
 def test_writers_needing_room_at_once_walk_the_root_once(tmp_path: Path) -> None:
@@ -582,17 +625,18 @@ def test_writers_needing_room_at_once_walk_the_root_once(tmp_path: Path) -> None
     assert first.sweep(now)  # 99: down to 85
     for i in range(14):
         put_file(chunk_path(tmp_path, 1000 + i), now)
-    assert not first.make_room(14 * CHUNK_BYTES)  # 99 again, by the ledger
+    assert first.make_room([CHUNK_BYTES] * 14) == 14  # 99 again, by the ledger
     first.wrote(14 * CHUNK_BYTES)
     ranks = [sweeper(tmp_path, limit_chunks=100) for _ in range(4)]
-    threads = [
-        threading.Thread(target=s.make_room, args=(2 * CHUNK_BYTES,)) for s in ranks
-    ]
+    assert [s.make_room([CHUNK_BYTES] * 2) for s in ranks] == [1, 0, 0, 0]
+    assert all(s.pass_asked for s in ranks)
+    threads = [threading.Thread(target=s.run_requested_pass) for s in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert sum(s.writer_passes for s in ranks) == sum(s.passes for s in ranks) == 1
+    assert sum(s.requested_passes for s in ranks) == sum(s.passes for s in ranks)
+    assert sum(s.passes for s in ranks) == 1
     assert sum(s.take_stats()["evicted_chunks"] for s in ranks) == 99 - 85
     assert len(chunk_files(tmp_path)) == 85
 
@@ -616,13 +660,10 @@ def test_budget_holds_for_two_writers(tmp_path: Path) -> None:
             largest, peak = max(largest, big), max(peak, total)
             assert total <= BUDGET + 2 * largest, (total, BUDGET, largest)
         assert peak > 0.8 * BUDGET
-        evicted = 0
-        for h in caches:
-            h.poll_stats()
-            c = h.counters()
-            assert c["write_errors"] == 0 and c["updates_failed"] == 0
-            evicted += c["evicted_chunks"]
-        assert evicted == 4 * 60 - len(chunk_files(root)) > 0
+        c = settled(caches, root)
+        assert c["write_errors"] == 0 and c["updates_failed"] == 0
+        skipped = c["chunks_skipped_for_room"]
+        assert c["evicted_chunks"] == 4 * 60 - skipped - c["left"] > 0
     finally:
         for h in caches:
             h.cache.close()
@@ -659,9 +700,10 @@ def test_one_pass_per_root_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While another process holds the root's lock a sweep does nothing
-    (counted) and a writer that needs room waits for the lock, then makes
-    its room regardless; once the lock is free sweeps proceed. Two sweepers
-    of one process take turns as well."""
+    (counted), a write that needs room does not wait (it asks), and the
+    pass it asked for waits for the lock, then makes room regardless; once
+    the lock is free sweeps proceed. Two sweepers of one process take turns
+    as well."""
     monkeypatch.setattr(sweeper_module, "LOCK_WAIT_S", 0.5)
     now = time.time()
     paths = [put_file(chunk_path(tmp_path, i), now - 1000 + i) for i in range(20)]
@@ -672,7 +714,11 @@ def test_one_pass_per_root_at_a_time(
         assert all(p.exists() for p in paths)
         assert a.take_stats()["evicted_chunks"] == 0
         start = time.monotonic()
-        assert b.make_room(CHUNK_BYTES)  # waited, then swept unlocked
+        assert b.make_room([CHUNK_BYTES] * 11) == 10 and b.pass_asked
+        assert time.monotonic() - start < 0.4  # the write did not wait
+        b.wrote(0)
+        start = time.monotonic()
+        assert b.run_requested_pass()  # waited, then swept unlocked
         assert time.monotonic() - start >= 0.5
         assert b.take_stats()["evicted_chunks"] == 12
     old = [put_file(chunk_path(tmp_path, 100 + i), now - 2000) for i in (0, 1)]
@@ -704,12 +750,15 @@ def test_a_ledger_held_elsewhere_costs_one_wait(
         caplog.at_level(logging.WARNING, logger=SWEEPER_LOGGER),
     ):
         start = time.monotonic()
-        assert s.make_room(CHUNK_BYTES)  # nothing measured yet: a pass
-        for _ in range(5):
-            assert not s.make_room(CHUNK_BYTES)
+        assert s.make_room([CHUNK_BYTES]) == 1 and s.pass_asked  # not measured
+        assert s.run_requested_pass()  # by its own count: nothing on disk
+        for _ in range(9):
+            assert s.make_room([CHUNK_BYTES]) == 1 and not s.pass_asked
             s.wrote(CHUNK_BYTES)
         assert 0.3 <= time.monotonic() - start < 1.5
-        assert s.make_room(5 * CHUNK_BYTES)  # 11 chunks by its count: a pass
+        assert s.make_room([CHUNK_BYTES]) == 1 and s.pass_asked  # high water
+        s.wrote(CHUNK_BYTES)
+        assert s.make_room([CHUNK_BYTES]) == 0  # 11 chunks by its count
     (record,) = [r for r in caplog.records if "ledger" in r.getMessage()]
     assert "held by another" in record.getMessage()
 
@@ -759,7 +808,7 @@ def test_planted_sweeper_files_are_never_followed(
     s = RootSweeper(str(root), 1, ttl_s=1.0, interval_s=3600.0)
     assert s.sweep() and s.sweep()
     assert s.take_stats()["expired_chunks"] == 1
-    assert s.make_room(2) and s.make_room(2)  # over the 1-byte limit
+    assert s.make_room([2]) == 0 and s.run_requested_pass()  # over 1 byte
     assert os.path.lexists(lock)
     assert lock.is_symlink() == (planted in ("symlink", "dangling"))
     assert target.exists() == (planted == "symlink")
@@ -772,7 +821,7 @@ def test_planted_sweeper_files_are_never_followed(
     own.mkdir()
     s = RootSweeper(str(own), 1, ttl_s=1.0, interval_s=3600.0)
     assert s.sweep(time.time() + 10 * TEMP_MAX_AGE_S)
-    assert s.make_room(2) and s.make_room(2)
+    assert s.make_room([2]) == 0 and s.run_requested_pass()
     assert all((own / f).is_file() for f in ROOT_FILES)
     assert scan_root(str(own)).foreign == []
 
@@ -897,7 +946,11 @@ def test_a_folder_swapped_for_a_link_while_sweeps_run(tmp_path: Path) -> None:
     s = sweeper(root, limit_chunks=1)
     evicted = 0
     try:
-        for k in range(40):
+        # At least 40 sweeps, and on until one found the folder in place
+        # (the racer swaps it most of the time).
+        for k in range(400):
+            if k >= 40 and evicted:
+                break
             with swapping:  # the folder is in place
                 for i in range(16):
                     put_file(chunk_path(root, i), now - 1000 + k)
@@ -925,8 +978,9 @@ def test_hosts_ten_minutes_apart_run_no_extra_passes(
     """Two hosts whose clocks are 10 minutes apart share a root with a tight
     budget and 60 s sweeps: the ledger one host stamps is fresh to the other
     (freshness is watched on each host's own clock, never compared), so
-    writes that fit run no pass on either host; a write that needs room
-    still runs one, evicts, and the budget holds."""
+    writes that fit ask for no pass on either host; a write that needs room
+    asks for one (a write never runs a pass), which evicts, and the budget
+    holds."""
     now = time.time()
     for i in range(6):
         put_file(chunk_path(tmp_path, i), now - 1000 + i)
@@ -936,17 +990,48 @@ def test_hosts_ten_minutes_apart_run_no_extra_passes(
     with clock_off_by(skew_s):
         assert there.sweep()  # 6 chunks, stamped by the other clock
     for i in range(3):
-        assert not here.make_room(CHUNK_BYTES)
+        assert here.make_room([CHUNK_BYTES]) == 1 and not here.pass_asked
         put_file(chunk_path(tmp_path, 100 + i), now)
         here.wrote(CHUNK_BYTES)
     with clock_off_by(skew_s):
-        assert not there.make_room(CHUNK_BYTES)  # 10: exactly the limit
+        # 10: the limit, past the high-water mark (a pass is asked for).
+        assert there.make_room([CHUNK_BYTES]) == 1 and there.pass_asked
         put_file(chunk_path(tmp_path, 200), now)
         there.wrote(CHUNK_BYTES)
-    assert here.writer_passes == there.writer_passes == 0
-    assert here.make_room(2 * CHUNK_BYTES)  # 12 would pass it: one pass
+    # 12 would pass it: not written, and a pass asked for, which evicts.
+    assert here.make_room([CHUNK_BYTES] * 2) == 0 and here.pass_asked
+    assert here.run_requested_pass()
     assert here.take_stats()["evicted_chunks"] > 0
     assert len(chunk_files(tmp_path)) <= 10
     with clock_off_by(skew_s):
-        assert not there.make_room(CHUNK_BYTES)  # fits by the new ledger
-    assert here.writer_passes == 1 and there.writer_passes == 0
+        assert there.make_room([CHUNK_BYTES]) == 1  # fits by the new ledger
+        assert not there.run_requested_pass()  # here made the room
+    assert here.requested_passes == 1 and there.requested_passes == 0
+
+
+def test_a_host_whose_clock_lags_keeps_its_fresh_chunks(tmp_path: Path) -> None:
+    """A host whose clock is 10 minutes behind writes chunks (their mtimes
+    10 minutes old) to a root with a 5-minute TTL and a tight budget. The
+    sweeping host saw them appear since its previous pass: they are not
+    expired, and eviction takes the chunks nobody touched since (older by
+    the sweeper's clock, yet with newer mtimes) first. A chunk the lagging
+    host hits again (a new mtime, still in the past) counts as fresh too,
+    and one left untouched ages from when it was seen."""
+    now = time.time()
+    old = [put_file(chunk_path(tmp_path, i), now - 150 + i) for i in range(6)]
+    s = RootSweeper(str(tmp_path), 10 * CHUNK_BYTES, 300.0, 3600.0)
+    assert s.sweep(now)  # sees the six
+    later = now + 100
+    lagging = [put_file(chunk_path(tmp_path, 100 + i), later - 600) for i in range(5)]
+    assert s.sweep(later)  # 11 chunks: over the budget
+    stats = s.take_stats()
+    assert stats["expired_chunks"] == 0
+    assert stats["evicted_chunks"] == 11 - 8  # down to the low-water mark
+    assert all(p.exists() for p in lagging)
+    assert sum(p.exists() for p in old) == 3
+    # Untouched, they age from the pass that first saw them (at ``now``).
+    hit = lagging[0]
+    os.utime(hit, (later - 500, later - 500))  # hit by the lagging host
+    assert s.sweep(now + 390)  # 390 s after ``now``: over the TTL
+    assert s.take_stats()["expired_chunks"] == 4 + 3
+    assert [p for p in (*old, *lagging) if p.exists()] == [hit]

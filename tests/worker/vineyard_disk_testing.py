@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,18 @@ class Harness:
                 break
             self.wait()
         self.cache.release(req.req_id)
+
+    def write_whole(self, tokens: Sequence[int], timeout_s: float = 30.0) -> None:
+        """Write ``tokens`` until all their whole chunks load: chunks a
+        write skipped for want of room are written again once the
+        sweeper's background pass made it."""
+        whole = len(tokens) // CHUNK_SIZE * CHUNK_SIZE
+        deadline = time.monotonic() + timeout_s
+        self.write(tokens)
+        while self.load(tokens) < whole:
+            assert time.monotonic() < deadline, "no room made for the write"
+            time.sleep(0.05)
+            self.write(tokens)
 
     def wait(self, timeout_s: float = 30.0) -> None:
         wait_for_writes(self.cache, timeout_s)

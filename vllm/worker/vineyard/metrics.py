@@ -40,6 +40,8 @@ COUNTERS: dict[str, str] = {
     "tokens_rejected": "Tokens vineyard refused because their prefix was not "
     "cached (evicted or skipped).",
     "write_errors": "Chunk writes the filesystem failed (e.g. disk full, I/O error).",
+    "chunks_skipped_for_room": "Chunks not written because the root was at its "
+    "disk limit; a background sweep makes room (a write never waits for one).",
     "evicted_chunks": "Chunks evicted (least recently used) to keep the root "
     "within its budget.",
     "expired_chunks": "Chunks expired after the TTL since their last use.",

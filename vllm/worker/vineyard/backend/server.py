@@ -30,7 +30,7 @@ import mmap
 import os
 import signal
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -63,13 +63,14 @@ logger = logging.getLogger(__name__)
 _COUNTERS = (
     "bytes_read",
     "bytes_written",
+    "chunks_skipped_for_room",
     "corrupt_chunks",
     "path_collisions",
     "write_errors",
 )
 
 
-def _start_sweeper(spec: BackendSpec) -> Any:
+def _start_sweeper(spec: BackendSpec, root_lost: Callable[[], str | None]) -> Any:
     """The writer's sweeper of the whole cache root, started."""
     settings = spec.settings
     root_sweeper = sweeper.RootSweeper(
@@ -78,6 +79,7 @@ def _start_sweeper(spec: BackendSpec) -> Any:
         settings.ttl_s,
         settings.sweep_interval_s,
         settings.group_access,
+        root_lost=root_lost,
     )
     root_sweeper.start()
     return root_sweeper
@@ -115,7 +117,36 @@ class _VineyardServer:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._removed: list[str] = []  # corrupt chunk files removed
         self._log = LogLimiter(logger)
-        self._sweeper: Any = _start_sweeper(spec) if spec.sweep else None
+        # The root's filesystem at start: a mount that goes away leaves an
+        # empty local folder (or none) at its path (see _root_lost).
+        self._root_dev = os.stat(spec.cache_root).st_dev
+        self._sweeper: Any = (
+            _start_sweeper(spec, self._root_lost) if spec.sweep else None
+        )
+
+    def _root_lost(self) -> str | None:
+        """Why nothing may be written to the root now, or ``None``. A lost
+        mount (lazy unmount, dead client) leaves an empty local folder at
+        its path, or none: writes there would fill the local disk, unseen
+        by other hosts and hidden once the mount returns. So with the
+        namespace's folder gone, the root must still be on the filesystem
+        it was on at start (then the sweeper removed the folder, and
+        vineyard makes it again)."""
+        try:
+            if stat.S_ISDIR(os.stat(self._spec.root).st_mode):
+                return None
+        except OSError:
+            pass
+        try:
+            dev = os.stat(self._spec.cache_root).st_dev
+        except OSError as e:
+            return f"the cache root cannot be reached ({e.strerror or e})"
+        if dev != self._root_dev:
+            return (
+                "the cache root is not on the filesystem it was on at start "
+                "(was it unmounted?)"
+            )
+        return None
 
     def update(self, request: UpdateRequest) -> UpdateReply:
         """Seal and write the request's segments. Returns, per segment, the
@@ -125,6 +156,10 @@ class _VineyardServer:
         kv_list = self._kv_lists[request.buffer_id]
         bpc = self._spec.blocks_per_chunk
         results: list[tuple[int, str | None]] = []
+        lost = self._root_lost()
+        if lost is not None:
+            self._stats["write_errors"] += len(request.segments)
+            return UpdateReply([(0, lost)] * len(request.segments), self.take_stats())
         for segment in request.segments:
             first, prefix = segment.first_slot, segment.prefix_ids
             ids = segment.ids[: self._clear_chunk_paths(prefix, segment.ids)]

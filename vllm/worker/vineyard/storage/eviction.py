@@ -7,13 +7,18 @@ high- and low-water marks of a budget.
 A chunk's mtime is its last use (vineyard sets it when the chunk is written
 and a verified hit sets it again). A last use further in the future than
 hosts' clocks differ (:data:`CLOCK_SKEW_S`) counts as the oldest, so a
-planted mtime cannot keep a chunk from eviction or expiry.
+planted mtime cannot keep a chunk from eviction or expiry. On the past side
+(a writer whose clock is behind), :class:`ObservedLastUse` holds a chunk
+that appeared or changed since this host's previous pass as used no earlier
+than that pass began, by this host's clock: it is not expired or evicted
+first for its writer's clock.
 
 Imports neither vLLM nor torch (the sweeper runs in the backend process).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from vllm.worker.vineyard.storage.scan import ChunkFile
@@ -32,6 +37,42 @@ def distrust_future(chunks: list[ChunkFile], now: float) -> None:
     for chunk in chunks:
         if chunk.mtime > now + CLOCK_SKEW_S:
             chunk.mtime = 0.0
+
+
+class ObservedLastUse:
+    """Last uses corrected by what this host saw between its passes. A chunk
+    new or touched since this host's previous pass (absent then, or its
+    mtime moved forward) was used after that pass began, whatever its
+    writer's clock says: an older mtime (a clock behind, by any amount)
+    counts as that pass's start. An mtime moved back (set on purpose) is
+    taken as it is. Remembers one mtime per chunk between passes (tens of
+    bytes each)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # the previous pass's start
+        self._seen: dict[int, float] = {}  # inode: mtime at the previous pass
+        self._raised: dict[int, tuple[float, float]] = {}  # inode: (mtime, use)
+
+    def correct(self, chunks: list[ChunkFile], now: float) -> None:
+        """Raise, in place, the mtimes of ``chunks`` found by a pass that
+        began at ``now`` (this host's clock) to their observed last use."""
+        seen: dict[int, float] = {}
+        raised: dict[int, tuple[float, float]] = {}
+        for chunk in chunks:
+            mtime = seen[chunk.ino] = chunk.mtime
+            was = self._raised.get(chunk.ino)
+            if was is not None and was[0] == mtime:
+                raised[chunk.ino] = was
+            elif (
+                self._since is not None
+                and mtime < self._since
+                and mtime > self._seen.get(chunk.ino, -math.inf)
+            ):
+                raised[chunk.ino] = (mtime, self._since)
+            else:
+                continue
+            chunk.mtime = raised[chunk.ino][1]
+        self._seen, self._raised, self._since = seen, raised, now
 
 
 def expire(
@@ -68,7 +109,7 @@ def eviction_target(
     high = min(HIGH_WATER * budget, budget - largest)
     if total + need <= high:
         return None
-    # The writer waits for this pass: room for its write as well.
+    # A writer asked for this pass: room for the write it skipped too.
     return min(LOW_WATER * budget, budget - 2 * largest, high - need)
 
 

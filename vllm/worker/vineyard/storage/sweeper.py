@@ -26,13 +26,15 @@ namespaces or of another shape, links and mount points are left alone
 
 Between sweeps the writers hold the disk limit themselves
 (:meth:`RootSweeper.make_room`), by the usage they share in the root's
-ledger (:mod:`~vllm.worker.vineyard.storage.usage`).
+ledger (:mod:`~vllm.worker.vineyard.storage.usage`): a write stores only the
+chunks that fit and asks this thread for a pass that makes room for the
+rest (skipped, counted); it never runs a pass itself.
 
 One pass per root at a time: a pass holds ``flock`` on the root's
 :data:`~vllm.worker.vineyard.storage.root_files.SWEEP_LOCK` (so that N
 instances of M ranks do not all walk the root every interval). A periodic
-sweep that finds it held is skipped; a writer that needs room waits for it
-up to :data:`LOCK_WAIT_S`, then runs its pass regardless. Where there is no
+sweep that finds it held is skipped; a pass a writer asked for waits for it
+up to :data:`LOCK_WAIT_S`, then runs regardless. Where there is no
 lock to be had (a file planted at its path, a filesystem without locks)
 passes go unlocked: several at once only race to delete the same files (the
 same LRU order), which is harmless. Both files are opened without following
@@ -60,8 +62,11 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 from vllm.worker.vineyard.storage.eviction import (
+    HIGH_WATER,
+    ObservedLastUse,
     distrust_future,
     evict_lru,
     eviction_target,
@@ -88,8 +93,8 @@ EMPTY_DIR_MIN_AGE_S = 60.0  # a writer may be about to fill a new folder
 #: Most entries that are not the cache's remembered as logged (each is
 #: logged once; past this many, no more are).
 MAX_REPORTED = 10_000
-#: Longest a writer that needs room waits for another process's pass before
-#: it runs its own unlocked (well within the writer's call timeout).
+#: Longest a pass a writer asked for waits for another process's pass before
+#: it runs unlocked.
 LOCK_WAIT_S = 5.0
 _LOCK_POLL_S = 0.05
 #: A process that found the lock held at every sweep for this many
@@ -110,8 +115,12 @@ class RootSweeper:
         ttl_s: float,
         interval_s: float,
         group_access: bool = False,
+        root_lost: Callable[[], str | None] | None = None,
     ) -> None:
         self.root = root
+        # Why the root is not to be touched now (a lost mount), or None.
+        self._root_lost = root_lost
+        self._lost_logged = False
         # This process's own settings; the root's recorded ones govern (see
         # the module docstring), read at every pass.
         self.own_settings = RootSettings(limit_bytes, ttl_s)
@@ -133,9 +142,12 @@ class RootSweeper:
         self._last_pass = time.monotonic()
         self._lock_warned = False
         self._usage = SharedUsage(root)
+        self._last_use = ObservedLastUse()
         self.passes = 0
         self.skipped_sweeps = 0  # another process held the root's lock
-        self.writer_passes = 0  # passes make_room ran
+        self.requested_passes = 0  # passes make_room asked for
+        self._need = 0  # bytes the writer asked room for (under _lock)
+        self._wake = threading.Event()  # a pass is asked for, or stop
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-sweeper", daemon=True
@@ -149,23 +161,38 @@ class RootSweeper:
     def ttl_s(self) -> float:
         return self.settings.ttl_s
 
+    @property
+    def pass_asked(self) -> bool:
+        """Whether a writer asked for a pass that has not run yet."""
+        return self._wake.is_set() and not self._stop.is_set()
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def _run(self) -> None:
         # Instances started together should not sweep in lockstep.
         delay = random.uniform(0.1, 1.0) * min(self.interval_s, 5.0)
-        while not self._stop.wait(delay):
-            # A pass the writer ran to make room counts as this one.
-            due = self._last_pass + self.interval_s - time.monotonic()
-            if self.passes and due > 0:
-                delay = due
-                continue
-            delay = self.interval_s
+        while True:
+            self._wake.wait(delay)
+            if self._stop.is_set():
+                return
             try:
+                if self._lost():
+                    self._wake.clear()
+                    delay = self.interval_s
+                    continue
+                if self._wake.is_set():
+                    self.run_requested_pass()
+                # A pass run on request counts as the periodic one.
+                due = self._last_pass + self.interval_s - time.monotonic()
+                if self.passes and due > 0:
+                    delay = due
+                    continue
+                delay = self.interval_s
                 if self._swept_elsewhere():
                     # No pass here (a pass reads them): the root's settings
                     # still for the writer's reservations.
@@ -174,6 +201,19 @@ class RootSweeper:
                     self.sweep()
             except Exception:  # noqa: BLE001 - upkeep must never kill serving
                 logger.exception("vineyard cache sweep failed")
+
+    def _lost(self) -> bool:
+        """Whether the root is lost (a mount gone): then no pass, and none
+        of the sweepers' files made in the empty folder left in its place
+        (logged once per loss)."""
+        lost = self._root_lost() if self._root_lost is not None else None
+        if lost is None:
+            self._lost_logged = False
+            return False
+        if not self._lost_logged:
+            self._lost_logged = True
+            logger.warning("vineyard cache sweeps of %s paused: %s", self.root, lost)
+        return True
 
     def _swept_elsewhere(self) -> bool:
         """Whether another process swept the root within the interval (by
@@ -225,33 +265,60 @@ class RootSweeper:
     def sweep(self, now: float | None = None) -> bool:
         """One pass over the root, unless another process is running one
         (holds the root's lock): then nothing, and False."""
+        if self._lost():
+            return False
         with self._pass_lock:
             # Skipped for too long (a lock held that long): wait, then go.
             idle_s = time.monotonic() - self._last_pass
             stale = idle_s > MAX_SKIPPED_INTERVALS * self.interval_s
             return self._locked_pass(now, 0, LOCK_WAIT_S if stale else 0.0)
 
-    def make_room(self, nbytes: int) -> bool:
-        """Called by the writer before it stores ``nbytes`` more on disk:
-        reserve them in the root's usage; when they do not fit under the
-        disk limit (or no recent sweep measured the root), first run a pass
-        that evicts room for them too. Then call :meth:`wrote`. Returns
-        whether it ran a pass."""
-        if nbytes <= 0 or self._reserve(nbytes, force=False):
+    def make_room(self, sizes: Sequence[int]) -> int:
+        """Called by the writer before it stores new chunks (``sizes``: the
+        bytes each adds on disk, in order): reserves the leading ones that
+        fit under the disk limit and returns how many, for the writer to
+        store those only; then call :meth:`wrote`. When not all fit, the
+        root passes the high-water mark, or no recent sweep measured it, the
+        sweeper's thread is asked for a pass that makes room (for the rest
+        too): a write never runs or waits for a pass (on a large root, or
+        with the root's lock held elsewhere, that would hold up every
+        write)."""
+        if not sum(sizes):
+            return len(sizes)
+        # Asked for past the high-water mark already, so that the room is
+        # there before writes reach the limit.
+        fit, due = self._usage.reserve(
+            sizes,
+            self.limit_bytes,
+            2 * self.interval_s,
+            int(HIGH_WATER * self.limit_bytes),
+        )
+        if due:
+            with self._lock:
+                self._need = max(self._need, sum(sizes[fit:]))
+            self._wake.set()
+        return fit
+
+    def run_requested_pass(self) -> bool:
+        """The pass a writer asked for (:meth:`make_room`), on the sweeper's
+        thread: waits for another process's pass up to :data:`LOCK_WAIT_S`
+        (then runs unlocked), and walks the root only if the room is still
+        short. Returns whether it walked."""
+        self._wake.clear()
+        with self._lock:
+            need, self._need = self._need, 0
+        if self._lost():
             return False
         with self._pass_lock:
             fd, _ = self._lock_root(LOCK_WAIT_S)
             try:
-                # Another pass (this process's, or one waited for above)
-                # may have made room: then no walk of the root.
-                if self._reserve(nbytes, force=False):
+                # Another pass (one waited for above) may have made room.
+                if not self._usage.short_of(
+                    need, int(HIGH_WATER * self.limit_bytes), 2 * self.interval_s
+                ):
                     return False
-                self.writer_passes += 1
-                try:
-                    self._pass(None, nbytes)
-                except Exception:  # noqa: BLE001 - upkeep must never fail a write
-                    logger.exception("vineyard cache sweep failed")
-                self._reserve(nbytes, force=True)  # what room there is: write
+                self.requested_passes += 1
+                self._pass(None, need)
                 return True
             finally:
                 if fd is not None:
@@ -267,11 +334,6 @@ class RootSweeper:
         """The space a new file of ``size`` bytes takes, as estimated until
         a scan counts it (whole blocks)."""
         return -(-size // DISK_BLOCK) * DISK_BLOCK
-
-    def _reserve(self, nbytes: int, force: bool) -> bool:
-        """Add ``nbytes`` to the root's pending usage if they fit under the
-        limit by a recent sweep's measure (or ``force``); whether added."""
-        return self._usage.reserve(nbytes, self.limit_bytes, 2 * self.interval_s, force)
 
     def _locked_pass(self, now: float | None, need: int, wait_s: float) -> bool:
         fd, go = self._lock_root(wait_s)
@@ -332,6 +394,7 @@ class RootSweeper:
         scan = scan_root(self.root)
         self._report(scan)
         self._remove_leftovers(scan, now)
+        self._last_use.correct(scan.chunks, now)
         distrust_future(scan.chunks, now)
         chunks, expired = expire(scan.chunks, now, self.ttl_s, self._remove)
         self._count("expired_chunks", expired)

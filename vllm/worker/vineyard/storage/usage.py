@@ -6,9 +6,10 @@
 The writers share an estimate of the root's usage in its
 :data:`~vllm.worker.vineyard.storage.root_files.USAGE_LEDGER` (under
 ``flock``): what the last sweep left, plus what every writer reserved
-since. A writer reserves the chunks it is about to write; when they do not
-fit under the limit it first runs a pass at once that evicts room for them
-too. So the chunk files of all the writers that share the ledger stay
+since. A writer reserves the chunks it is about to write and writes those
+that fit under the limit; the rest are skipped (counted), and the sweeper's
+thread runs a pass that evicts room for them: a write never waits for a
+pass. So the chunk files of all the writers that share the ledger stay
 within the limit, plus the chunks that are being written while a scan runs
 (at most one write, a few chunks, per writer). Where the ledger cannot be
 had (a read-only root, a filesystem without locks, a ledger held for over
@@ -29,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from vllm.worker.vineyard.storage.root_files import (
     USAGE_LEDGER,
@@ -99,22 +100,43 @@ class SharedUsage:
         return now - self._epoch_changed_at
 
     def reserve(
-        self, nbytes: int, limit_bytes: int, max_age_s: float, force: bool
-    ) -> bool:
-        """Add ``nbytes`` to the root's pending usage if they fit under
-        ``limit_bytes`` by the measure of a sweep at most ``max_age_s`` ago
-        (or ``force``); whether added."""
+        self,
+        sizes: Sequence[int],
+        limit_bytes: int,
+        max_age_s: float,
+        due_above: int,
+    ) -> tuple[int, bool]:
+        """Add to the root's pending usage the leading ``sizes`` (bytes of
+        chunks about to be written, in order) that fit under
+        ``limit_bytes``. Returns how many, and whether a pass is due: not
+        all fit, the usage passes ``due_above``, or the ledger is stale (no
+        sweep measured the root within ``max_age_s`` by this process's
+        clock, or none ever did). A stale estimate still bounds what the
+        ledger's writers stored, as their reservations add up in it until
+        a sweep counts them."""
         with self.hold() as usage:
-            fits = (
-                usage.stamp > 0
-                and self.unchanged_s(usage) <= max_age_s
-                and usage.base + usage.pending + nbytes <= limit_bytes
+            total = usage.base + usage.pending
+            fit = 0
+            for size in sizes:
+                if total + size > limit_bytes:
+                    break
+                total += size
+                fit += 1
+            reserved = total - usage.base - usage.pending
+            usage.pending += reserved
+            self._reservation = (usage.epoch, reserved)
+            stale = usage.stamp <= 0 or self.unchanged_s(usage) > max_age_s
+            return fit, stale or fit < len(sizes) or total > due_above
+
+    def short_of(self, nbytes: int, room_bytes: int, max_age_s: float) -> bool:
+        """Whether ``nbytes`` more would take the usage past ``room_bytes``,
+        or no sweep measured it within ``max_age_s`` (reserving nothing)."""
+        with self.hold() as usage:
+            return (
+                usage.stamp <= 0
+                or self.unchanged_s(usage) > max_age_s
+                or usage.base + usage.pending + nbytes > room_bytes
             )
-            if not (fits or force):
-                return False
-            usage.pending += nbytes
-            self._reservation = (usage.epoch, nbytes)
-            return True
 
     def stored(self, nbytes: int) -> None:
         """Of what :meth:`reserve` reserved last, ``nbytes`` were stored:
