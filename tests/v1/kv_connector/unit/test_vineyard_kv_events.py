@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from tests.script_testing import mount_slow_fs
 from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
 from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
@@ -174,3 +176,39 @@ def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
     assert announced[:first] == hashes[:first]
     engine.close()
     worker.close()
+
+
+def test_a_reset_on_a_hung_root_gives_up_after_the_backend_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``reset_cache`` on a root that stops answering (a FUSE root frozen)
+    removes nothing and says so within the backend timeout: its scan and
+    removals run in a lookup process that is abandoned, so the scheduler's
+    process is never stuck in the filesystem. Once the root answers again,
+    a reset removes the instance's chunks."""
+    fs = mount_slow_fs(tmp_path / "fs")
+    try:
+        model = make_model_dir(tmp_path / "model")
+        config = create_vllm_config(model, fs.mount / "root", backend_timeout_s=1.0)
+        worker = FakeWorker(config)
+        engine = Engine(create_scheduler(config), worker)
+        try:
+            prompt = fresh_tokens(2 * BLOCK_SIZE + 1)
+            engine.add(create_request("saved", prompt, max_tokens=1))
+            engine.drain()
+            worker.wait_for_writes()
+            assert os.path.exists(worker.chunk_path(prompt, 0))
+            fs.freeze(True)
+            start = time.monotonic()
+            assert not engine.scheduler.reset_connector_cache()
+            assert time.monotonic() - start < 1.0 + 4.0
+            assert any("did not finish" in r.getMessage() for r in caplog.records)
+            fs.freeze(False)
+            assert engine.scheduler.reset_connector_cache()
+            assert not os.path.exists(worker.chunk_path(prompt, 0))
+        finally:
+            fs.freeze(False)
+            engine.close()
+            worker.close()
+    finally:
+        fs.close()

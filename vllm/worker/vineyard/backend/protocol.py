@@ -138,6 +138,14 @@ class LookupReply:
 
 
 @dataclass
+class ResetReply:
+    """The chunk files removed, and how many could not be."""
+
+    removed: list[str]
+    left: int
+
+
+@dataclass
 class PingReply:
     pid: int
 
@@ -210,6 +218,17 @@ class LookupRequest(Request[LookupReply]):
     reply_type: ClassVar[type[Any]] = LookupReply
     ids: list[int]
     max_chunks: int
+
+
+@dataclass(frozen=True)
+class ResetRequest(Request[ResetReply]):
+    """Remove every chunk file of ``namespaces`` under the cache root (a
+    lookup process's, for the scheduler's ``reset_cache``)."""
+
+    op: ClassVar[str] = "reset"
+    reply_type: ClassVar[type[Any]] = ResetReply
+    root: str
+    namespaces: list[str]
 
 
 @dataclass(frozen=True)

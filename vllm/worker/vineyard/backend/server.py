@@ -43,6 +43,8 @@ from vllm.worker.vineyard.backend.protocol import (
     PingRequest,
     QueryReply,
     QueryRequest,
+    ResetReply,
+    ResetRequest,
     StatsReply,
     StatsRequest,
     UpdateReply,
@@ -56,6 +58,7 @@ from vllm.worker.vineyard.backend.write_errors import (
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage import chunks, sweeper
 from vllm.worker.vineyard.storage.lookup import count_cached_chunks
+from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +171,9 @@ class _VineyardServer:
                 continue
             for i, digest in enumerate(segment.digests):
                 self._sealer.seal(views[first + i], digest)
-            # The disk limit holds at every write: room for the chunks not
-            # on disk yet is made before they are written (see the sweeper).
+            # The disk limit holds at every write: only the chunks that fit
+            # are written; the sweeper makes room for the rest in the
+            # background (see there).
             new: list[int] = []  # per chunk, the bytes it adds
             if self._sweeper is not None:
                 full = prefix + ids
@@ -177,7 +181,13 @@ class _VineyardServer:
                     on_disk = self._files.is_complete(full[:end])
                     size = self._sweeper.new_file_bytes(self._files.file_bytes(end))
                     new.append(0 if on_disk else size)
-                self._sweeper.make_room(sum(new))
+                fit = self._sweeper.make_room(new)
+                if fit < len(new):
+                    self._stats["chunks_skipped_for_room"] += len(new) - fit
+                    ids = ids[: fit * bpc]
+                    if not ids:
+                        results.append((0, None))
+                        continue
             stored = int(self._cache.update(prefix, ids, kv_list[first:][: len(ids)]))
             if self._sweeper is not None:
                 self._sweeper.wrote(sum(new[: stored // bpc]))
@@ -425,13 +435,17 @@ class _LookupServer:
         ]
         self._log = LogLimiter(logger)
 
-    def handle(self, request: object) -> LookupReply | PingReply:
+    def handle(self, request: object) -> LookupReply | ResetReply | PingReply:
         if isinstance(request, LookupRequest):
             counts: dict[str, int] = {}
             cached = count_cached_chunks(
                 self._rank_files, request.ids, request.max_chunks, counts, self._log
             )
             return LookupReply(cached, counts)
+        if isinstance(request, ResetRequest):
+            return ResetReply(
+                *remove_namespace_chunks(request.root, set(request.namespaces))
+            )
         if isinstance(request, PingRequest):
             return PingReply(os.getpid())
         raise ValueError(f"unknown lookup request {request!r}")

@@ -21,6 +21,7 @@ from vllm.worker.vineyard.backend.protocol import (
     BackendSettings,
     BackendSpec,
     LookupRequest,
+    ResetRequest,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.log_limiter import LogLimiter
@@ -30,6 +31,7 @@ from vllm.worker.vineyard.storage.chunks import (
 )
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.lookup import count_cached_chunks
+from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,22 @@ class VineyardCacheLookup:
             started, self._started = self._started, []
         for process in started:
             process.close()
+
+    def remove_namespaces(
+        self, root: str, namespaces: Sequence[str]
+    ) -> tuple[list[str], int]:
+        """Delete every chunk file of ``namespaces`` under ``root``: the
+        paths deleted (below its real path) and how many could not be. Runs
+        in this thread's lookup process (a hung root raises
+        :class:`BackendError` after ``backend_timeout_s``, and the process
+        is abandoned)."""
+        if self._in_process:
+            return remove_namespace_chunks(root, set(namespaces))
+        reply = self._process().call(
+            ResetRequest(root, list(namespaces)),
+            timeout_s=self.config.backend_timeout_s,
+        )
+        return reply.removed, reply.left
 
     def count(
         self, num_local_tokens: int, num_tokens: int, num_digests: int, num_hit: int
@@ -275,6 +293,12 @@ class BackgroundLookups:
                 self._timeout_s,
             )
             self._start_thread()
+
+    def remove_namespaces(
+        self, root: str, namespaces: Sequence[str]
+    ) -> tuple[list[str], int]:
+        """See :meth:`VineyardCacheLookup.remove_namespaces`."""
+        return self._lookup.remove_namespaces(root, namespaces)
 
     def begin_step(self) -> None:
         """A new scheduler step: its share of waiting for lookups."""

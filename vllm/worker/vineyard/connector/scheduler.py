@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
+from vllm.worker.vineyard.backend.protocol import BackendError
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
 from vllm.worker.vineyard.connector.lookups import (
@@ -45,8 +46,6 @@ from vllm.worker.vineyard.connector.metadata import (
 from vllm.worker.vineyard.connector.request_keys import RequestKeys, request_keys
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.chunks import extend_digests
-from vllm.worker.vineyard.storage.removal import remove_file
-from vllm.worker.vineyard.storage.scan import scan_root
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -406,18 +405,15 @@ class VineyardConnectorScheduler:
         first chunk. Whether every chunk could be removed."""
         if self._lookup is None:
             return True  # the cache is off: nothing of ours is there
-        root = os.path.realpath(self.config.root)
-        mine = set(self._namespaces)
-        scan = scan_root(root)
-        gone: list[str] = []
-        left = 0
-        for chunk in scan.chunks:
-            if chunk.namespace not in mine:
-                continue
-            if remove_file(root, chunk.path, chunk.ino):
-                gone.append(chunk.path)
-            elif os.path.lexists(chunk.path):
-                left += 1
+        mine = sorted(set(self._namespaces))
+        # In a lookup process: a hung root cannot hang the scheduler's
+        # process (vLLM waits for it at shutdown) for longer than the
+        # backend timeout.
+        try:
+            gone, left = self._lookup.remove_namespaces(self.config.root, mine)
+            failed = None
+        except BackendError as e:
+            gone, left, failed = [], 0, str(e)
         if self._events is not None:
             self._events.removed(gone)
             self._events.removed_all()
@@ -427,10 +423,18 @@ class VineyardConnectorScheduler:
             if state.save_from != NEVER:
                 state.rewind(0)
                 state.announced = 0
+        if failed is not None:
+            logger.warning(
+                "vineyard cache reset of %s did not finish (%s): chunks may be "
+                "left on the root",
+                ", ".join(mine),
+                failed,
+            )
+            return False
         logger.info(
             "vineyard cache reset: %d chunk file(s) removed from %s%s",
             len(gone),
-            ", ".join(sorted(mine)),
+            ", ".join(mine),
             f"; {left} could not be removed" if left else "",
         )
         return left == 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from vllm.worker.vineyard.storage.safe_io import OPEN_DIR, OPEN_ROOT
+from vllm.worker.vineyard.storage.scan import scan_root
 
 
 def _remove(root: str, path: str, check: Callable[[os.stat_result], bool]) -> bool:
@@ -63,3 +64,22 @@ def remove_file(root: str, path: str, ino: int | None = None) -> bool:
 def remove_dir(root: str, path: str) -> bool:
     """Remove the empty directory ``path`` below ``root``; whether it was."""
     return _remove(root, path, lambda st: stat.S_ISDIR(st.st_mode))
+
+
+def remove_namespace_chunks(
+    root: str, namespaces: Collection[str]
+) -> tuple[list[str], int]:
+    """Delete every chunk file of ``namespaces`` under ``root``; returns the
+    paths deleted (below the root's real path) and how many could not be
+    (other namespaces' chunks and everything not a chunk stay)."""
+    root = os.path.realpath(root)
+    gone: list[str] = []
+    left = 0
+    for chunk in scan_root(root).chunks:
+        if chunk.namespace not in namespaces:
+            continue
+        if remove_file(root, chunk.path, chunk.ino):
+            gone.append(chunk.path)
+        elif os.path.lexists(chunk.path):
+            left += 1
+    return gone, left
