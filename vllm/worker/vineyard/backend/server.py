@@ -188,7 +188,17 @@ class _VineyardServer:
                     if not ids:
                         results.append((0, None))
                         continue
-            stored = int(self._cache.update(prefix, ids, kv_list[first:][: len(ids)]))
+            try:
+                stored = int(
+                    self._cache.update(prefix, ids, kv_list[first:][: len(ids)])
+                )
+            except RuntimeError as e:  # vineyard raises on some errors (ENOTCONN)
+                if self._sweeper is not None:
+                    self._sweeper.wrote(0)
+                release_failed_temp_files(os.path.join(self._spec.root, "__temp"))
+                self._stats["write_errors"] += 1
+                results.append((0, self._root_lost() or f"write failed ({e})"))
+                continue
             if self._sweeper is not None:
                 self._sweeper.wrote(sum(new[: stored // bpc]))
             error = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 
 def write_error_reason(path: str, need_bytes: int, leaked_files: int = 1) -> str | None:
@@ -34,8 +35,22 @@ def write_error_reason(path: str, need_bytes: int, leaked_files: int = 1) -> str
     if not os.access(path, os.W_OK):
         return "cache root not writable"
     if not leaked_files:
-        return None
+        # A filesystem can refuse what the mode bits allow (a volume its
+        # servers set read-only: EROFS at open): try it.
+        return _cannot_create_in(path)
     return "write failed (I/O error or quota; vineyard does not report errno)"
+
+
+def _cannot_create_in(path: str) -> str | None:
+    """Why no file can be created in ``path``, or ``None`` if one can."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+    except OSError as e:
+        return f"cache root not writable ({e.strerror or e})"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
 
 
 def release_failed_temp_files(temp_dir: str) -> int:

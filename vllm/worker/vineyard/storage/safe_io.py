@@ -93,6 +93,14 @@ def write_json(
                 os.unlink(temp)
 
 
+def release(fd: int) -> None:
+    """Close ``fd`` (releasing its ``flock``). Linux frees the descriptor
+    even when ``close`` reports an error (a FUSE mount whose client died:
+    ENOTCONN), so that error is no reason to fail the caller."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def disk_bytes(st: os.stat_result) -> int:
     """The space a file takes: whole filesystem blocks (at least its size,
     for filesystems that report blocks late)."""

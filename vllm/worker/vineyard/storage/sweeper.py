@@ -81,6 +81,7 @@ from vllm.worker.vineyard.storage.root_files import (
     read_root_settings,
     record_root_settings,
 )
+from vllm.worker.vineyard.storage.safe_io import release
 from vllm.worker.vineyard.storage.scan import ChunkFile, RootScan, scan_root
 from vllm.worker.vineyard.storage.usage import SharedUsage
 
@@ -322,7 +323,7 @@ class RootSweeper:
                 return True
             finally:
                 if fd is not None:
-                    os.close(fd)  # releases the lock
+                    release(fd)
 
     def wrote(self, nbytes: int) -> None:
         """Of what :meth:`make_room` reserved, the writer stored ``nbytes``:
@@ -346,7 +347,7 @@ class RootSweeper:
             self._pass(now, need)
         finally:
             if fd is not None:
-                os.close(fd)  # releases the lock
+                release(fd)
         return True
 
     def _lock_root(self, wait_s: float) -> tuple[int | None, bool]:

@@ -40,6 +40,7 @@ from vllm.worker.vineyard.storage.root_files import (
     read_ledger,
     write_ledger,
 )
+from vllm.worker.vineyard.storage.safe_io import release
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class SharedUsage:
                 except OSError as e:
                     self._warn(f"cannot write it ({e})")
             finally:
-                os.close(fd)  # releases the lock
+                release(fd)
 
     def unchanged_s(self, usage: Usage) -> float:
         """How long the ledger has gone without a sweep, by this process's
