@@ -21,8 +21,9 @@ writer backends stopped until every request has its first token
 (``stop_writer_during_prefill``), all with one ``cache_salt`` if a round
 gives one; ``freeze_file`` is created for the round's generation and removed
 after it (the freeze switch of a ``slow_fs.py`` cache root). Before the
-prompts, ``pause_s`` waits
-(for background work such as a sweep), ``kill_backends``
+prompts, ``gate`` (a path) holds the round until the test lets it go (see
+:func:`wait_at_gate`; to change the world between rounds of a running
+engine), ``pause_s`` waits (for background work such as a sweep), ``kill_backends``
 SIGKILLs every vineyard backend process below the engine and ``break_path``
 replaces that directory (the cache root) by a regular file. After each round
 the runner waits (up to ``S`` seconds) until every update the cache submitted
@@ -71,6 +72,8 @@ _FLUSH_PROMPT = [7]  # shorter than a block: nothing to look up or save
 #: stopping the backends); beyond it the engine test fails.
 SHUTDOWN_BOUND_S = 30.0
 SHUTDOWN_HUNG_EXIT = 3
+#: How long a round's ``gate`` waits for the test.
+GATE_TIMEOUT_S = 300.0
 
 #: ``factory(**ToyLlamaConfig fields) -> checkpoint dir`` (a fixture).
 ModelFactory = Callable[..., str]
@@ -361,12 +364,14 @@ def run_engine(
     settle_s: float = 30.0,
     timeout_s: float = 240.0,
     expect_ok: bool = True,
+    fresh: bool = False,
 ) -> EngineRun:
     """Start an engine in a fresh process, run ``rounds``, return what it
     did. ``workdir`` keeps the spec, result and log (a failing test shows
     the log's tail). The process is forked from a server that has imported
-    vLLM already; ``VINEYARD_ENGINE_TESTS_FORK_SERVER=0`` starts a new
-    interpreter for each engine instead."""
+    vLLM already (one engine at a time); ``fresh`` or
+    ``VINEYARD_ENGINE_TESTS_FORK_SERVER=0`` starts a new interpreter
+    instead (for an engine that runs beside another)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     result_path = workdir / "result.json"
@@ -382,6 +387,7 @@ def run_engine(
                 "stop_writer_during_prefill": False,
                 "break_path": None,
                 "pause_s": 0.0,
+                "gate": None,
                 "cache_salt": None,
                 "lora": None,
                 "prompt_embeds": None,
@@ -394,7 +400,7 @@ def run_engine(
         "result": str(result_path),
     }
     spec_path.write_text(json.dumps(spec))
-    if os.environ.get("VINEYARD_ENGINE_TESTS_FORK_SERVER", "1") == "1":
+    if not fresh and os.environ.get("VINEYARD_ENGINE_TESTS_FORK_SERVER", "1") == "1":
         returncode = _fork_server().run(spec_path, env, workdir, log_path, timeout_s)
     else:
         returncode = _run_fresh(spec_path, env, workdir, log_path, timeout_s)
@@ -426,6 +432,27 @@ def run_engine(
 # --------------------------------------------------------------------------
 # Engine side (this file run as a script).
 # --------------------------------------------------------------------------
+
+
+def wait_at_gate(
+    gate: Path,
+    timeout_s: float = GATE_TIMEOUT_S,
+    running: Callable[[], bool] = lambda: True,
+) -> None:
+    """Until the engine reached the round held at ``gate`` (a round's
+    ``gate`` path), having finished the rounds before it; fails when
+    ``running()`` turns false first (the engine ended)."""
+    ready = gate.with_name(gate.name + ".ready")
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert running(), f"the engine ended before reaching {gate.name}"
+        assert time.monotonic() < deadline, f"no engine at {gate.name} in {timeout_s} s"
+        time.sleep(0.1)
+
+
+def open_gate(gate: Path) -> None:
+    """Let the round held at ``gate`` run."""
+    gate.with_name(gate.name + ".go").touch()
 
 
 def _read_metrics(llm: Any) -> dict[str, Any]:
@@ -557,6 +584,9 @@ def _main(spec_path: str) -> None:
         _note("engine ready")
         flush = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for r in spec["rounds"]:
+            if r["gate"]:
+                Path(r["gate"] + ".ready").touch()
+                _wait_for(Path(r["gate"] + ".go"), GATE_TIMEOUT_S)
             time.sleep(r["pause_s"])  # e.g. for a background sweep to run
             killed = _kill_backends() if r["kill_backends"] else 0
             if r["break_path"]:
@@ -652,6 +682,14 @@ def _main(spec_path: str) -> None:
     # Skip interpreter teardown: engine threads and atexit hooks can hang on
     # an engine that failed mid-startup; the backends exit when we do.
     os._exit(exit_code)
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.1)
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:

@@ -146,7 +146,8 @@ class _AsyncUpdater:
         self._queue: queue.SimpleQueue[UpdateTask | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._closed = False
-        self._logged_write_error = 0.0
+        #: When each reason of a failed update was last logged.
+        self._logged_write_errors: dict[str, float] = {}
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-updater", daemon=True
         )
@@ -167,9 +168,13 @@ class _AsyncUpdater:
         task.done.set()
 
     def _fail(self, task: UpdateTask, why: str) -> None:
-        # Rate-limited: a failing disk fails every write.
-        if time.monotonic() - self._logged_write_error > 60.0:
-            self._logged_write_error = time.monotonic()
+        # Each reason once a minute: a failing disk fails every write, and a
+        # new reason (the mount lost, then the volume read-only) is news.
+        now = time.monotonic()
+        if now - self._logged_write_errors.get(why, -60.0) >= 60.0:
+            if len(self._logged_write_errors) > 100:
+                self._logged_write_errors.clear()
+            self._logged_write_errors[why] = now
             logger.warning(
                 "vineyard cache update failed (%d segment(s) not saved; "
                 "they are retried while their requests run): %s",

@@ -192,7 +192,7 @@ class _VineyardServer:
                 stored = int(
                     self._cache.update(prefix, ids, kv_list[first:][: len(ids)])
                 )
-            except RuntimeError as e:  # vineyard raises on some errors (ENOTCONN)
+            except (RuntimeError, OSError) as e:  # e.g. a dead mount: ENOTCONN
                 if self._sweeper is not None:
                     self._sweeper.wrote(0)
                 release_failed_temp_files(os.path.join(self._spec.root, "__temp"))

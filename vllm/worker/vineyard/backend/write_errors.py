@@ -47,7 +47,8 @@ def _cannot_create_in(path: str) -> str | None:
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
     except OSError as e:
         return f"cache root not writable ({e.strerror or e})"
-    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return None

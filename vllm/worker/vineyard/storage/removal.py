@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Callable, Collection
 
-from vllm.worker.vineyard.storage.safe_io import OPEN_DIR, OPEN_ROOT
+from vllm.worker.vineyard.storage.safe_io import OPEN_DIR, OPEN_ROOT, release
 from vllm.worker.vineyard.storage.scan import scan_root
 
 
@@ -33,7 +33,7 @@ def _remove(root: str, path: str, check: Callable[[os.stat_result], bool]) -> bo
     try:
         for part in parts[:-1]:
             sub = os.open(part, OPEN_DIR, dir_fd=fd)
-            os.close(fd)
+            release(fd)
             fd = sub
         st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
         if not check(st):
@@ -48,7 +48,7 @@ def _remove(root: str, path: str, check: Callable[[os.stat_result], bool]) -> bo
         # or a read-only or failing filesystem: the caller goes on.
         return False
     finally:
-        os.close(fd)
+        release(fd)
 
 
 def remove_file(root: str, path: str, ino: int | None = None) -> bool:

@@ -365,10 +365,10 @@ class RootSweeper:
             if flock_within(fd, wait_s, _LOCK_POLL_S):
                 return fd, True
         except OSError as e:  # a filesystem without locks
-            os.close(fd)
+            release(fd)
             self._warn_unlocked(f"cannot lock it ({e})")
             return None, True
-        os.close(fd)
+        release(fd)
         if wait_s > 0:
             self._warn_unlocked(f"held by another for over {wait_s} s")
         return None, wait_s > 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -167,7 +166,7 @@ class SharedUsage:
             why = f"held by another for over {LEDGER_WAIT_S} s"
         except OSError as e:  # a filesystem without locks
             why = f"cannot lock it ({e})"
-        os.close(fd)
+        release(fd)
         self._warn(why)
         return None
 
