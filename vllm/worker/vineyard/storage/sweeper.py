@@ -90,7 +90,10 @@ logger = logging.getLogger(__name__)
 TEMP_MAX_AGE_S = 600.0
 #: Removed chunk paths kept for the next report (KV events), at most.
 MAX_REMOVED_REPORTED = 10_000
-EMPTY_DIR_MIN_AGE_S = 60.0  # a writer may be about to fill a new folder
+#: A writer may be about to fill a new folder; its mtime is set by the
+#: clock of the host that made it, so this age also bounds the clock skew
+#: between hosts that this removal tolerates (like TEMP_MAX_AGE_S).
+EMPTY_DIR_MIN_AGE_S = 600.0
 #: Most entries that are not the cache's remembered as logged (each is
 #: logged once; past this many, no more are).
 MAX_REPORTED = 10_000
