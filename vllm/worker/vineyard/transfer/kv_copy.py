@@ -10,7 +10,8 @@ block; it only needs each layer's tensor viewed block-major.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -74,14 +75,30 @@ def layers_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return layers_first.transpose(0, 1)
 
 
+#: Device memory for staging copies through contiguous rows (CUDA): a
+#: copy between device memory and a strided host view goes through a
+#: pageable host temporary in PyTorch, synchronously; a contiguous one is a
+#: single asynchronous ``cudaMemcpyAsync`` from or to pinned memory.
+SCRATCH_BYTES = 64 << 20
+
+
 class KVBlockCopier:
     """Gathers blocks of every layer into staging entries and scatters them
     back. On the CPU, with all layers in one allocation, each direction is a
-    single indexed copy; otherwise one copy per layer (asynchronous on CUDA,
-    ordered on the compute stream; the returned event marks its end)."""
+    single indexed copy; otherwise one copy per layer. On CUDA the copies
+    run on a side stream: the layers of a group of blocks are gathered into
+    a device scratch laid out as the entries are, which then goes to the
+    pinned entries in one contiguous copy (and the reverse for loads); the
+    returned event marks the end, and the compute stream waits for what it
+    must (see :meth:`gather` and :meth:`scatter`), never the CPU thread."""
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], num_blocks: int, block_bytes: int
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        num_blocks: int,
+        block_bytes: int,
+        staged: bool | None = None,
+        scratch_bytes: int = SCRATCH_BYTES,
     ):
         self.blocks = [block_view(kv, num_blocks) for kv in kv_caches]
         for kv in self.blocks:
@@ -94,42 +111,132 @@ class KVBlockCopier:
         self._all_layers = (
             layers_view(self.blocks) if self.device.type == "cpu" else None
         )
+        #: Through the scratch (always on CUDA; ``staged`` for tests).
+        self.staged = self.device.type == "cuda" if staged is None else staged
+        self._scratch_bytes = scratch_bytes
+        self._scratch: torch.Tensor | None = None
+        self._stream = (
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        )
+
+    def gather(self, block_ids: Sequence[int], entries: torch.Tensor) -> KVEvent:
+        """Copy ``block_ids`` (all layers) into ``entries[i, :payload]``.
+        The returned event (CUDA) marks the entries complete; the compute
+        stream waits only until the blocks have been read."""
+        n = len(block_ids)
+        if n == 0:
+            return None
+        payload = entries[:, : self.payload_elems]
+        if self._all_layers is not None:
+            index = torch.tensor(block_ids, device=self.device)
+            out = payload.view(n, -1, self.block_elems)
+            torch.index_select(self._all_layers, 0, index, out=out)
+            return None
+        if not self.staged:
+            index = torch.tensor(block_ids, device=self.device)
+            e = self.block_elems
+            for layer, kv in enumerate(self.blocks):
+                payload[:, layer * e : (layer + 1) * e].copy_(
+                    kv.index_select(0, index).reshape(n, -1)
+                )
+            return None
+        with self._on_side_stream():
+            index = self._index(block_ids)
+            for rows, scratch in self._groups(index, entries):
+                self._gather_layers(index[rows], scratch[:, : self.payload_elems])
+                read = self._event()  # the last group's: every block read
+                entries[rows].copy_(scratch, non_blocking=True)
+            done = self._event()
+        self._compute_waits(read)  # vLLM may reuse the blocks after this
+        return done
+
+    def scatter(self, entries: torch.Tensor, block_ids: Sequence[int]) -> KVEvent:
+        """Copy ``entries[i, :payload]`` into ``block_ids`` (all layers).
+        The compute stream waits for the blocks; the returned event (CUDA)
+        marks the entries read (the buffer may be refilled after it)."""
+        n = len(block_ids)
+        if n == 0:
+            return None
+        payload = entries[:, : self.payload_elems]
+        if self._all_layers is not None:
+            index = torch.tensor(block_ids, device=self.device)
+            src = payload.view(n, -1, self.block_elems)
+            self._all_layers.index_copy_(0, index, src)
+            return None
+        if not self.staged:
+            index = torch.tensor(block_ids, device=self.device)
+            e = self.block_elems
+            for layer, kv in enumerate(self.blocks):
+                part = payload[:, layer * e : (layer + 1) * e]
+                kv.index_copy_(0, index, part.reshape(n, *kv.shape[1:]))
+            return None
+        with self._on_side_stream():
+            index = self._index(block_ids)
+            for rows, scratch in self._groups(index, entries):
+                scratch.copy_(entries[rows], non_blocking=True)
+                self._scatter_layers(scratch[:, : self.payload_elems], index[rows])
+            done = self._event()
+        self._compute_waits(done)  # the next forward reads these blocks
+        return done
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The block ids on the device, copied from pinned memory on the
+        current stream: a copy from pageable memory would wait for the
+        compute stream on the CPU thread."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return index.to(self.device)
+        return index.pin_memory().to(self.device, non_blocking=True)
+
+    def _groups(
+        self, index: torch.Tensor, entries: torch.Tensor
+    ) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(rows, scratch)`` for each group of rows that fits the scratch
+        (whole entries: one contiguous copy each way)."""
+        width = entries.shape[1]
+        if (
+            self._scratch is None
+            or self._scratch.shape[1] != width
+            or self._scratch.dtype != entries.dtype
+        ):
+            rows = max(1, self._scratch_bytes // (width * entries.element_size()))
+            self._scratch = torch.empty(
+                (rows, width), dtype=entries.dtype, device=self.device
+            )
+        rows = self._scratch.shape[0]
+        for first in range(0, len(index), rows):
+            last = min(first + rows, len(index))
+            yield slice(first, last), self._scratch[: last - first]
+
+    def _gather_layers(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        e = self.block_elems
+        for layer, kv in enumerate(self.blocks):
+            out[:, layer * e : (layer + 1) * e].copy_(
+                kv.index_select(0, index).reshape(len(index), -1)
+            )
+
+    def _scatter_layers(self, src: torch.Tensor, index: torch.Tensor) -> None:
+        e = self.block_elems
+        for layer, kv in enumerate(self.blocks):
+            part = src[:, layer * e : (layer + 1) * e]
+            kv.index_copy_(0, index, part.reshape(len(index), *kv.shape[1:]))
+
+    def _on_side_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The copies' stream, after what the compute stream has queued
+        (the forward pass that wrote the blocks, or last read them)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
 
     def _event(self) -> KVEvent:
+        """An event recorded on the current stream (``None`` off CUDA)."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record()
         return event
 
-    def gather(self, block_ids: Sequence[int], entries: torch.Tensor) -> KVEvent:
-        """Copy ``block_ids`` (all layers) into ``entries[i, :payload]``."""
-        n = len(block_ids)
-        payload = entries[:, : self.payload_elems]
-        index = torch.tensor(block_ids, device=self.device)
-        if self._all_layers is not None:
-            out = payload.view(n, -1, self.block_elems)
-            torch.index_select(self._all_layers, 0, index, out=out)
-            return None
-        e = self.block_elems
-        for layer, kv in enumerate(self.blocks):
-            payload[:, layer * e : (layer + 1) * e].copy_(
-                kv.index_select(0, index).reshape(n, -1), non_blocking=True
-            )
-        return self._event()
-
-    def scatter(self, entries: torch.Tensor, block_ids: Sequence[int]) -> KVEvent:
-        """Copy ``entries[i, :payload]`` into ``block_ids`` (all layers)."""
-        n = len(block_ids)
-        payload = entries[:, : self.payload_elems]
-        index = torch.tensor(block_ids, device=self.device)
-        if self._all_layers is not None:
-            src = payload.view(n, -1, self.block_elems)
-            self._all_layers.index_copy_(0, index, src)
-            return None
-        e = self.block_elems
-        for layer, kv in enumerate(self.blocks):
-            part = payload[:, layer * e : (layer + 1) * e]
-            part = part.to(self.device, non_blocking=True).reshape(n, *kv.shape[1:])
-            kv.index_copy_(0, index, part)
-        return self._event()
+    def _compute_waits(self, event: KVEvent) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
