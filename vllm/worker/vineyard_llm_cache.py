@@ -63,46 +63,96 @@ _STATS_POLL_S = 5.0
 
 
 class _PinnedTensorPool:
-    """A bounded pool of staging buffers; :meth:`get` never blocks.
+    """A bounded pool of staging buffers; :meth:`get` never blocks on the
+    writer.
 
-    ``min_buffers`` are allocated (touched and pinned) up front, more up to
-    ``max_buffers`` on demand. When every buffer is in flight ``get`` returns
+    ``min_buffers`` are backed (touched, and pinned on CUDA) up front; the
+    rest, up to ``max_buffers``, by a background thread right after
+    (``back_ahead``): backing a buffer's pages costs
+    hundreds of ms for a large one, which a burst must not pay on the
+    forward thread. A :meth:`get` that comes before that thread got to a
+    buffer backs one itself, or waits for the one the thread is backing,
+    as a burst at startup needs the buffer (skipping it would lose a save
+    that waiting keeps). When every buffer is in flight ``get`` returns
     ``None`` and the caller skips its update.
     """
 
-    def __init__(self, memory: StagingMemory, min_buffers: int, max_buffers: int):
+    def __init__(
+        self,
+        memory: StagingMemory,
+        min_buffers: int,
+        max_buffers: int,
+        back_ahead: bool = True,
+    ):
         assert 1 <= min_buffers <= max_buffers <= memory.tensor.shape[0]
         self._memory = memory
         self._lock = threading.Lock()
+        self._backed = threading.Condition(self._lock)
         self._free: list[int] = []
         self._pinned: list[torch.Tensor] = []
         self.max_buffers = max_buffers
-        self._num_created = 0
+        self._num_claimed = 0  # buffers being backed or backed
+        self._num_created = 0  # buffers backed
+        self._closing = False
         for _ in range(min_buffers):
-            self._free.append(self._create())
+            self._create(self._claim(), free=True)
+        self._backer: threading.Thread | None = None
+        if back_ahead and max_buffers > min_buffers:
+            self._backer = threading.Thread(
+                target=self._back_the_rest, name="vineyard-pool-backer", daemon=True
+            )
+            self._backer.start()
 
-    def _create(self) -> int:
-        buffer_id = self._num_created
+    def _claim(self) -> int:
+        buffer_id = self._num_claimed
+        self._num_claimed += 1
+        return buffer_id
+
+    def _create(self, buffer_id: int, free: bool = False) -> int:
+        """Back a claimed buffer (and with ``free``, put it in the pool)."""
         buffer = self._memory.tensor[buffer_id]
         buffer.view(torch.uint8).fill_(0)  # back the pages now, not mid-step
-        if pin(buffer):
-            self._pinned.append(buffer)
-        self._num_created += 1
+        pinned = pin(buffer)
+        with self._lock:
+            if pinned:
+                self._pinned.append(buffer)
+            self._num_created += 1
+            if free:
+                self._free.append(buffer_id)
+            self._backed.notify_all()
         return buffer_id
+
+    def _back_the_rest(self) -> None:
+        # At the engine's priority: a get() may wait for the buffer this
+        # thread is backing, so it must not be starved.
+        while True:
+            with self._lock:
+                if self._closing or self._num_claimed >= self.max_buffers:
+                    return
+                buffer_id = self._claim()
+            self._create(buffer_id, free=True)
 
     def get(self) -> int | None:
         """A free buffer's id, or ``None`` if all are in flight."""
         with self._lock:
+            # The background thread is backing the last buffers: wait for
+            # one (at most one buffer's backing, what creating it costs).
+            while not self._free and self._num_created < self._num_claimed:
+                if self._num_claimed < self.max_buffers:
+                    break  # one is left to claim: back it here
+                self._backed.wait()
             if self._free:
                 return self._free.pop()
-            if self._num_created < self.max_buffers:
-                return self._create()
-            return None
+            if self._num_claimed >= self.max_buffers:
+                return None
+            buffer_id = self._claim()
+        return self._create(buffer_id)
 
     def put(self, buffer_id: int) -> None:
         with self._lock:
             assert buffer_id not in self._free, "buffer returned twice"
             self._free.append(buffer_id)
+            self._backed.notify_all()
 
     def buffer(self, buffer_id: int) -> torch.Tensor:
         return self._memory.tensor[buffer_id]
@@ -110,9 +160,13 @@ class _PinnedTensorPool:
     @property
     def num_free(self) -> int:
         with self._lock:
-            return len(self._free) + self.max_buffers - self._num_created
+            return len(self._free) + self.max_buffers - self._num_claimed
 
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+        if self._backer is not None:
+            self._backer.join()  # at most one buffer's backing
         for buffer in self._pinned:
             unpin(buffer)
         self._pinned.clear()
