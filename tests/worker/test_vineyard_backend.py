@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.script_testing import mount_slow_fs
 from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
@@ -330,3 +331,44 @@ def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
     assert not waiter.is_alive() and failed
     assert wait_until(lambda: not psutil.pid_exists(proc.pid), 5.0)
     os.close(shm)
+
+
+def test_a_slow_writer_that_progresses_is_not_restarted(
+    make_cache: CacheFactory, tmp_path: Path
+) -> None:
+    """A writer that takes several timeouts for one write, on a root whose
+    every ``stat`` and ``open`` takes 25 ms (vineyard makes some 30 such
+    calls per chunk) and while it is stopped and
+    continued in steps (starved of CPU), is waited for: it makes progress,
+    so it is slow, not hung. (A stopped one makes none: see
+    test_stalled_reader_times_out_and_is_replaced.)"""
+    timeout_s = 2.0
+    fs = mount_slow_fs(tmp_path / "fs", latency_ms=25.0)
+    try:
+        h = make_cache(root=fs.mount / "cache", backend_timeout_s=timeout_s)
+        pid = h.pid("write")
+        stepping = threading.Event()
+
+        def starve() -> None:
+            while not stepping.wait(0.3):  # runs 0.3 s of every 0.6 s
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.3)
+                os.kill(pid, signal.SIGCONT)
+
+        starver = threading.Thread(target=starve, daemon=True)
+        start = time.perf_counter()
+        starver.start()
+        try:
+            saved_sequence(h)  # asserts every whole chunk was written
+        finally:
+            stepping.set()
+            starver.join()
+            os.kill(pid, signal.SIGCONT)
+        took_s = time.perf_counter() - start
+        counters = h.counters()
+        assert took_s > 1.5 * timeout_s, "not slow: the test would prove nothing"
+        assert counters["backend_restarts"] == 0
+        assert counters["updates_failed"] == 0
+        assert h.pid("write") == pid
+    finally:
+        fs.close()

@@ -30,6 +30,42 @@ logger = logging.getLogger(__name__)
 
 ReplyT = TypeVar("ReplyT")
 
+#: How often a wait for an answer looks at the backend's progress.
+PROGRESS_POLL_S = 0.25
+#: A backend that keeps making progress is waited for up to this many
+#: timeouts before it is taken for hung (a loop that never finishes).
+MAX_BUSY_TIMEOUTS = 10
+
+
+def _progress(pid: int | None) -> tuple[int, ...] | None:
+    """What changes while process ``pid`` serves a request, however slowly:
+    its main thread's CPU time, bytes read and written, and context
+    switches (each blocking call that returns is one, so a filesystem that
+    answers slowly counts). It stands still while the thread is stopped,
+    blocked in the kernel on a filesystem that hangs, or waiting for
+    something that does not come. ``None`` where ``/proc`` does not tell."""
+    if pid is None:
+        return None
+    task = f"/proc/{pid}/task/{pid}"
+    try:
+        with open(f"{task}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"{task}/status", "rb") as f:
+            status = dict(line.split(b":", 1) for line in f.read().splitlines())
+        with open(f"{task}/io", "rb") as f:
+            io = dict(line.split(b":", 1) for line in f.read().splitlines())
+        return (
+            int(fields[11]),  # utime (field 14; the state is field 3)
+            int(fields[12]),  # stime
+            int(status[b"voluntary_ctxt_switches"]),
+            int(status[b"nonvoluntary_ctxt_switches"]),
+            int(io[b"rchar"]),
+            int(io[b"wchar"]),
+        )
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
 #: Longest close() waits for a call or start that holds the handle after
 #: the process was killed (a kill ends them at once unless the process is
 #: stuck in the kernel, e.g. on a dead filesystem).
@@ -336,11 +372,12 @@ class BackendProcess:
             if op is None or conn is None:
                 raise BackendError(f"{self.name} backend lost the request")
             try:
-                if not conn.poll(timeout):
+                late = self._wait_for_answer_locked(conn, timeout)
+                if late is not None:
                     # A late answer would be read as the next request's.
                     self._stop_locked()
                     raise BackendError(
-                        f"{self.name} backend did not answer {op!r} within {timeout} s"
+                        f"{self.name} backend did not answer {op!r}: {late}"
                     )
                 status, payload = conn.recv()
             except (EOFError, OSError) as e:
@@ -353,6 +390,32 @@ class BackendProcess:
                 f"{self.name} backend answered {op!r} with a {type(payload).__name__}"
             )
         return payload
+
+    def _wait_for_answer_locked(self, conn: Connection, quiet_s: float) -> str | None:
+        """Wait for the answer while the process makes progress. ``None``
+        once it has come; else why the process is taken for hung: no
+        progress for ``quiet_s`` (stopped in the kernel on a filesystem
+        that hangs, or waiting for something that does not come), or still
+        busy after :data:`MAX_BUSY_TIMEOUTS` times that. A process starved
+        of CPU by busy engines is slow, not hung: it keeps going."""
+        pid = self._proc.pid if self._proc is not None else None
+        start = quiet_since = time.monotonic()
+        mark = _progress(pid)
+        while True:
+            now = time.monotonic()
+            left = min(
+                quiet_since + quiet_s - now, start + MAX_BUSY_TIMEOUTS * quiet_s - now
+            )
+            if conn.poll(max(0.0, min(left, PROGRESS_POLL_S))):
+                return None
+            if left <= PROGRESS_POLL_S:
+                if time.monotonic() - quiet_since >= quiet_s:
+                    return f"no progress for {quiet_s:g} s"
+                if time.monotonic() - start >= MAX_BUSY_TIMEOUTS * quiet_s:
+                    return f"still busy after {time.monotonic() - start:.0f} s"
+            seen = _progress(pid)
+            if seen is not None and seen != mark:
+                mark, quiet_since = seen, time.monotonic()
 
     def call(self, request: Request[ReplyT], timeout_s: float | None = None) -> ReplyT:
         """Send one request and wait for its answer."""
