@@ -18,9 +18,11 @@ concurrency of several requests. Configurations, side by side in one run:
   server's shutdown afterwards is timed.
 
 Per configuration: mean and p99 TTFT, p99 and max inter-token latency,
-request throughput, and the vineyard hit rate. Usage::
+request throughput, and the vineyard hit rate. ``--scenario chats`` runs
+the several-instance scenario instead (``serve_chats.py``). Usage::
 
     python benchmarks/vineyard/benchmark_serve.py [--quick] [--json out.json]
+        [--scenario chats]
 
 Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` for the FUSE rows
 (``tools/setup_env.sh`` installs them); without them those rows are skipped
@@ -42,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -215,7 +218,11 @@ def freeze_during(
     fs.freeze(False)
 
 
-def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]:
+def setup(
+    plan: Plan, work: Path
+) -> tuple[str, dict[str, str], Callable[[Path], dict[str, str]]]:
+    """The model, the servers' environment without the cache, and with the
+    cache on a root."""
     module = load_script(
         ROOT / "examples" / "offline_inference" / "vineyard_real_model.py",
         "vineyard_real_model",
@@ -234,6 +241,12 @@ def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]
             "VINEYARD_CACHE_BACKEND_TIMEOUT_S": str(plan.backend_timeout_s),
             "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": str(plan.lookup_timeout_s),
         }
+
+    return model, base_env, cache_env
+
+
+def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]:
+    model, base_env, cache_env = setup(plan, work)
 
     peer = json.dumps({
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -332,13 +345,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", help="run only these configurations (by name)"
     )
+    parser.add_argument(
+        "--scenario",
+        choices=("prefixes", "chats"),
+        default="prefixes",
+        help="prefixes: vllm bench serve on one instance (above); chats: "
+        "several instances on one root, multi-round chats (serve_chats.py)",
+    )
+    parser.add_argument("--runs", type=int, help="chats: runs of each config")
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else Plan()
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        result = run(replace(plan), Path(tmp), args.only)
-    print_report(result)
+        if args.scenario == "chats":
+            from serve_chats import QUICK_CHATS, ChatPlan, print_chats, run_chats
+
+            chats = QUICK_CHATS if args.quick else ChatPlan()
+            if args.runs:
+                chats = replace(chats, runs=args.runs)
+            model, base_env, cache_env = setup(Plan(), Path(tmp))
+            result = run_chats(chats, Path(tmp), model, base_env, cache_env)
+            print_chats(result)
+        else:
+            plan = QUICK if args.quick else Plan()
+            result = run(replace(plan), Path(tmp), args.only)
+            print_report(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
