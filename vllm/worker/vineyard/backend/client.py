@@ -37,19 +37,38 @@ PROGRESS_POLL_S = 0.25
 MAX_BUSY_TIMEOUTS = 10
 
 
-def _progress(pid: int | None) -> tuple[int, ...] | None:
+def _disk_stat_path(path: str) -> str | None:
+    """The I/O counters of the block device ``path`` is on, if it is on one
+    (not a network or FUSE filesystem)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    return stat_path if os.path.exists(stat_path) else None
+
+
+def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] | None:
     """What changes while process ``pid`` serves a request, however slowly:
     its main thread's CPU time, bytes read and written, and context
     switches (each blocking call that returns is one, so a filesystem that
-    answers slowly counts). It stands still while the thread is stopped,
-    blocked in the kernel on a filesystem that hangs, or waiting for
-    something that does not come. ``None`` where ``/proc`` does not tell."""
+    answers slowly counts); while the thread waits for the disk, the I/O
+    the disk completes (``disk_stat``). It stands still while the thread is
+    stopped, blocked in the kernel on a filesystem that hangs, or waiting
+    for something that does not come. ``None`` where ``/proc`` does not
+    tell."""
     if pid is None:
         return None
     task = f"/proc/{pid}/task/{pid}"
     try:
         with open(f"{task}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
+        disk: tuple[int, ...] = ()
+        if disk_stat is not None and fields[0] == b"D":
+            # Waiting for the disk (fsync, writeback): its progress counts.
+            with open(disk_stat, "rb") as f:
+                counts = f.read().split()
+            disk = (int(counts[0]), int(counts[4]))  # reads, writes completed
         with open(f"{task}/status", "rb") as f:
             status = dict(line.split(b":", 1) for line in f.read().splitlines())
         with open(f"{task}/io", "rb") as f:
@@ -61,6 +80,7 @@ def _progress(pid: int | None) -> tuple[int, ...] | None:
             int(status[b"nonvoluntary_ctxt_switches"]),
             int(io[b"rchar"]),
             int(io[b"wchar"]),
+            *disk,
         )
     except (OSError, ValueError, KeyError, IndexError):
         return None
@@ -98,6 +118,7 @@ class BackendProcess:
         restart_in_background: bool = False,
         restart_window_s: float = 600.0,
         exit_wait_s: float = 2.0,
+        disk_progress: bool = False,
     ):
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel)."""
@@ -107,6 +128,11 @@ class BackendProcess:
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
         self._nice = nice
+        # With ``disk_progress``, I/O the root's block device completes
+        # counts as the backend's progress: a write waiting seconds in
+        # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
+        # lookup process's handle must never touch the root).
+        self._disk_stat = _disk_stat_path(spec.cache_root) if disk_progress else None
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own.
         self._restart_in_background = restart_in_background
@@ -400,7 +426,7 @@ class BackendProcess:
         of CPU by busy engines is slow, not hung: it keeps going."""
         pid = self._proc.pid if self._proc is not None else None
         start = quiet_since = time.monotonic()
-        mark = _progress(pid)
+        mark = _progress(pid, self._disk_stat)
         while True:
             now = time.monotonic()
             left = min(
@@ -413,7 +439,7 @@ class BackendProcess:
                     return f"no progress for {quiet_s:g} s"
                 if time.monotonic() - start >= MAX_BUSY_TIMEOUTS * quiet_s:
                     return f"still busy after {time.monotonic() - start:.0f} s"
-            seen = _progress(pid)
+            seen = _progress(pid, self._disk_stat)
             if seen is not None and seen != mark:
                 mark, quiet_since = seen, time.monotonic()
 

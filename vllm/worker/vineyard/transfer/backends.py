@@ -123,6 +123,7 @@ def start_backends(
             # Loads are driven from the forward thread: it never waits
             # for a reader to restart (e.g. on a root that hangs).
             restart_in_background=True,
+            disk_progress=True,
         )
         started.append(reader)
         writer = BackendProcess(
@@ -134,6 +135,7 @@ def start_backends(
             # with the forward pass (an unpinned engine), the pass wins.
             nice=10,
             wait=False,
+            disk_progress=True,
         )
         started.append(writer)
         reader.wait_ready()
