@@ -53,7 +53,8 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
     its main thread's CPU time, bytes read and written, and context
     switches (each blocking call that returns is one, so a filesystem that
     answers slowly counts); while the thread waits for the disk, the I/O
-    the disk completes (``disk_stat``). It stands still while the thread is
+    the disk completes (``disk_stat``); while it waits for a CPU, always
+    new. It stands still while the thread is
     stopped, blocked in the kernel on a filesystem that hangs, or waiting
     for something that does not come. ``None`` where ``/proc`` does not
     tell."""
@@ -64,7 +65,11 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
         with open(f"{task}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         disk: tuple[int, ...] = ()
-        if disk_stat is not None and fields[0] == b"D":
+        if fields[0] == b"R":
+            # Runnable, waiting for a CPU that busy engines keep: starved,
+            # which is slow, not hung (an always-new value: progress).
+            disk = (time.monotonic_ns(),)
+        elif disk_stat is not None and fields[0] == b"D":
             # Waiting for the disk (fsync, writeback): its progress counts.
             with open(disk_stat, "rb") as f:
                 counts = f.read().split()
@@ -133,6 +138,9 @@ class BackendProcess:
         # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
         # lookup process's handle must never touch the root).
         self._disk_stat = _disk_stat_path(spec.cache_root) if disk_progress else None
+        # The request in flight: its process's progress as last seen, when
+        # that last changed, and when the request was sent.
+        self._watch: tuple[tuple[int, ...] | None, float, float] = (None, 0.0, 0.0)
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own.
         self._restart_in_background = restart_in_background
@@ -349,8 +357,39 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = request.op
+            now = time.monotonic()
+            self._watch = (_progress(self._pid(), self._disk_stat), now, now)
         finally:
             self._lock.release()
+
+    def _pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _stall_locked(self, quiet_s: float) -> str | None:
+        """Why the request in flight is taken for hung, or ``None``: its
+        process made no progress for ``quiet_s``, or has been busy with it
+        for :data:`MAX_BUSY_TIMEOUTS` times that. A process starved of CPU
+        or waiting for a busy disk is slow, not hung: it goes on."""
+        mark, quiet_since, sent_at = self._watch
+        now = time.monotonic()
+        seen = _progress(self._pid(), self._disk_stat)
+        if seen is not None and seen != mark:
+            self._watch = (seen, now, sent_at)
+            quiet_since = now
+        if now - quiet_since >= quiet_s:
+            return f"no progress for {quiet_s:g} s"
+        if now - sent_at >= MAX_BUSY_TIMEOUTS * quiet_s:
+            return f"still busy after {now - sent_at:.0f} s"
+        return None
+
+    def stalled(self, quiet_s: float | None = None) -> str | None:
+        """For a caller that must not wait (the forward thread): why the
+        request in flight is taken for hung (see :meth:`receive`), or
+        ``None`` while it is answered or making progress."""
+        with self._lock:
+            if self._in_flight is None:
+                return None
+            return self._stall_locked(self._timeout_s if quiet_s is None else quiet_s)
 
     def _running_locked(self) -> bool:
         return (
@@ -418,30 +457,17 @@ class BackendProcess:
         return payload
 
     def _wait_for_answer_locked(self, conn: Connection, quiet_s: float) -> str | None:
-        """Wait for the answer while the process makes progress. ``None``
-        once it has come; else why the process is taken for hung: no
-        progress for ``quiet_s`` (stopped in the kernel on a filesystem
-        that hangs, or waiting for something that does not come), or still
-        busy after :data:`MAX_BUSY_TIMEOUTS` times that. A process starved
-        of CPU by busy engines is slow, not hung: it keeps going."""
-        pid = self._proc.pid if self._proc is not None else None
-        start = quiet_since = time.monotonic()
-        mark = _progress(pid, self._disk_stat)
+        """Wait for the answer while the process makes progress (see
+        :meth:`_stall_locked`). ``None`` once it has come, else why not;
+        ``quiet_s`` 0 gives up at once."""
         while True:
-            now = time.monotonic()
-            left = min(
-                quiet_since + quiet_s - now, start + MAX_BUSY_TIMEOUTS * quiet_s - now
-            )
-            if conn.poll(max(0.0, min(left, PROGRESS_POLL_S))):
+            if conn.poll(min(quiet_s, PROGRESS_POLL_S)):
                 return None
-            if left <= PROGRESS_POLL_S:
-                if time.monotonic() - quiet_since >= quiet_s:
-                    return f"no progress for {quiet_s:g} s"
-                if time.monotonic() - start >= MAX_BUSY_TIMEOUTS * quiet_s:
-                    return f"still busy after {time.monotonic() - start:.0f} s"
-            seen = _progress(pid, self._disk_stat)
-            if seen is not None and seen != mark:
-                mark, quiet_since = seen, time.monotonic()
+            if quiet_s <= 0:
+                return "given up on"
+            why = self._stall_locked(quiet_s)
+            if why is not None:
+                return why
 
     def call(self, request: Request[ReplyT], timeout_s: float | None = None) -> ReplyT:
         """Send one request and wait for its answer."""

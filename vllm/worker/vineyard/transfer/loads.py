@@ -162,7 +162,13 @@ class LoadPipeline:
             assert self._in_flight is not None
             job, k, buffer, sent_at = self._in_flight
             ready = wait or reader.ready()
-            stuck = time.monotonic() - sent_at >= self._timeout_s
+            # Stuck: no progress for the timeout; a reader starved of CPU or
+            # waiting for a busy disk is slow, and waited for, but a
+            # request waits for its load at most twice the timeout.
+            stuck = not ready and (
+                reader.stalled(self._timeout_s) is not None
+                or time.monotonic() - sent_at >= 2 * self._timeout_s
+            )
             if not (ready or stuck):
                 return
             self._in_flight = None
