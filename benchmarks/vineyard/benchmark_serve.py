@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (CI)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--workdir", help="logs, roots and results (default: temp)")
+    parser.add_argument(
+        "--workdir", help="keep logs, roots and results here (default: a temp dir)"
+    )
     parser.add_argument(
         "--only", nargs="+", help="run only these configurations (by name)"
     )
@@ -356,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+    # Under --workdir the run's folder (logs, roots) is kept for a look.
+    keep = tempfile.mkdtemp(dir=args.workdir) if args.workdir else None
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory() as tmp:
         if args.scenario == "chats":
             from serve_chats import QUICK_CHATS, ChatPlan, print_chats, run_chats
 

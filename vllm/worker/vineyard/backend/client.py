@@ -48,13 +48,35 @@ def _disk_stat_path(path: str) -> str | None:
     return stat_path if os.path.exists(stat_path) else None
 
 
+def _runnable(pid: int, main_state: bytes) -> bool:
+    """Whether a thread of ``pid`` waits for a CPU: the main thread, or
+    another one while the main thread sleeps (it may wait for the GIL that
+    a starved thread holds)."""
+    if main_state == b"R":
+        return True
+    if main_state != b"S":
+        return False  # stopped, or in uninterruptible I/O (see the disk)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        with (
+            contextlib.suppress(OSError, IndexError),
+            open(f"/proc/{pid}/task/{tid}/stat", "rb") as f,
+        ):
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"R":
+                return True
+    return False
+
+
 def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] | None:
     """What changes while process ``pid`` serves a request, however slowly:
     its main thread's CPU time, bytes read and written, and context
     switches (each blocking call that returns is one, so a filesystem that
     answers slowly counts); while the thread waits for the disk, the I/O
-    the disk completes (``disk_stat``); while it waits for a CPU, always
-    new. It stands still while the thread is
+    the disk completes (``disk_stat``); while it or another of its threads
+    waits for a CPU, always new. It stands still while the thread is
     stopped, blocked in the kernel on a filesystem that hangs, or waiting
     for something that does not come. ``None`` where ``/proc`` does not
     tell."""
@@ -65,7 +87,7 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
         with open(f"{task}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         disk: tuple[int, ...] = ()
-        if fields[0] == b"R":
+        if _runnable(pid, fields[0]):
             # Runnable, waiting for a CPU that busy engines keep: starved,
             # which is slow, not hung (an always-new value: progress).
             disk = (time.monotonic_ns(),)
