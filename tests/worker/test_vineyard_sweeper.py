@@ -645,8 +645,9 @@ def test_budget_holds_for_two_writers(tmp_path: Path) -> None:
     """Two real caches (two instances) writing in turns to one root under a
     2 MiB budget, with periodic sweeps an hour apart: they share the root's
     usage, so after every save the chunk files take at most the budget plus
-    one chunk per writer (counting only its own writes, each would let the
-    root grow to twice the budget)."""
+    one write per writer, what a background pass's scan may miss (counting
+    only its own writes, each would let the root grow to twice the
+    budget). A write here is one prefix of 4 chunks (one save holds it)."""
     root = tmp_path / "root"
     caches = [
         open_cache(root, seed=k, disk_limit_gb=BUDGET / 2**30, sweep_interval_s=3600.0)
@@ -658,7 +659,7 @@ def test_budget_holds_for_two_writers(tmp_path: Path) -> None:
             caches[i % 2].write(tokens)
             total, big = bytes_on_disk(root)
             largest, peak = max(largest, big), max(peak, total)
-            assert total <= BUDGET + 2 * largest, (total, BUDGET, largest)
+            assert total <= BUDGET + 2 * 4 * largest, (total, BUDGET, largest)
         assert peak > 0.8 * BUDGET
         c = settled(caches, root)
         assert c["write_errors"] == 0 and c["updates_failed"] == 0
