@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +98,7 @@ class Server:
             cmd += ["--no-enable-prefix-caching"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.hang_report = ""  # where its processes were when it did not exit
         # A session of its own: stop() can end the engine processes too.
         self.proc = subprocess.Popen(
             cmd,
@@ -184,6 +186,7 @@ class Server:
                 self.proc.wait(timeout=EXIT_BOUND_S)
             except subprocess.TimeoutExpired:
                 exited = False
+                self.hang_report = stacks_of_session(self.proc.pid)
         # Whatever is left of this server (an engine process orphaned by a
         # failed startup, a cache backend).
         with contextlib.suppress(ProcessLookupError):
@@ -191,6 +194,37 @@ class Server:
         self.proc.wait()
         self._log.close()
         return exited
+
+
+def stacks_of_session(sid: int) -> str:
+    """Where every process of session ``sid`` is: Python stacks by py-spy
+    (a dev dependency), else each thread's kernel wait channel."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == sid:
+                pids.append(int(entry.name))
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    report = []
+    for pid in sorted(pids):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        report.append(f"--- pid {pid}: {cmdline.decode(errors='replace')[:200]}")
+        if py_spy is not None:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                dump = subprocess.run(
+                    [py_spy, "dump", "--pid", str(pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                if dump.returncode == 0:  # a Python process
+                    report.append(dump.stdout)
+                    continue
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            with contextlib.suppress(OSError):
+                comm = (task / "comm").read_text().strip()
+                report.append(f"  {task.name} {comm}: {(task / 'wchan').read_text()}")
+    return "\n".join(report)
 
 
 def prepare_model() -> str:

@@ -54,6 +54,10 @@ from tests.vineyard_engine_testing import (  # noqa: E402
     engine_env,
     run_engine,
 )
+from vllm.worker.vineyard.metrics import (  # noqa: E402
+    HIT_PHASES,
+    histogram_metric_name,
+)
 
 TARGET_ASYNC_THROUGHPUT = 0.97  # async no-hit throughput vs no cache
 TARGET_VS_FLOOR = 1.2  # cached TTFT at most this times the floor
@@ -210,6 +214,38 @@ def engine(
     return run
 
 
+def cpu_s_per_gb(cpu_us: int, nbytes: int) -> float:
+    """A backend's CPU seconds per GB it moved (0 if it moved nothing)."""
+    return cpu_us / 1e6 / (nbytes / 1e9) if nbytes else 0.0
+
+
+#: How the workers split a hit's load (``hit_load_s``).
+LOAD_PARTS = ("load_read_s", "load_verify_s", "load_copy_s")
+
+
+def hit_breakdown(run: EngineRun, index: int, ttft_s: float) -> dict[str, Any]:
+    """Where the time of round ``index``'s one hit went (its growth of each
+    phase's histogram), next to its measured TTFT: the phases are
+    consecutive, so what they leave unaccounted is the front end's work
+    before the request's arrival and after its forward pass."""
+    phases: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name in (*HIT_PHASES, *LOAD_PARTS):
+        full = histogram_metric_name(name)
+        count, total = run.rounds[index].histogram(full)
+        count0, total0 = run.rounds[index - 1].histogram(full)
+        phases[name], counts[name] = total - total0, count - count0
+    accounted = sum(phases[name] for name in HIT_PHASES)
+    return {
+        "phases_s": phases,
+        "counts": counts,
+        "load_other_s": phases["hit_load_s"] - sum(phases[p] for p in LOAD_PARTS),
+        "accounted_s": accounted,
+        "ttft_s": ttft_s,
+        "accounted_share": accounted / ttft_s,
+    }
+
+
 def run_model(
     plan: Plan, model: str, model_path: str, work: Path, readv: float
 ) -> dict[str, Any]:
@@ -258,6 +294,9 @@ def run_model(
                     "save_ms_mean": 1e3 * total / count if count else 0.0,
                     "tokens_written": run.delta(1, "tokens_written"),
                     "updates_skipped": run.delta(1, "updates_skipped"),
+                    "writer_cpu_s_per_gb": cpu_s_per_gb(
+                        run.delta(1, "writer_cpu_us"), run.delta(1, "bytes_written")
+                    ),
                     "throughput_round_settled": run.rounds[1].settled,
                 }
     kv_bytes = kv_bytes_per_token(model)
@@ -279,7 +318,7 @@ def run_model(
             work / f"{model}-{cfg}-fresh",
         )  # fmt: skip
         hits = run.rounds[2:]  # after the cold prefill and the warm-up probe
-        for row, hit in zip(rows, hits, strict=True):
+        for i, (row, hit) in enumerate(zip(rows, hits, strict=True)):
             loaded = hit.num_cached_tokens[0]
             floor_s = one_block_s + loaded * kv_bytes / (readv * 1e9)
             row[cfg] = {
@@ -290,6 +329,8 @@ def run_model(
                 "floor_s": floor_s,
                 "vs_floor": hit.wall_s / floor_s,
             }
+            if cfg != "peer":
+                row[cfg]["breakdown"] = hit_breakdown(run, i + 2, hit.wall_s)
         speedups = [row[cfg]["speedup"] for row in rows]
         ttft[cfg] = {
             "median_speedup": statistics.median(speedups),
@@ -305,6 +346,9 @@ def run_model(
             ttft[cfg]["lookup_stats"] = run.last.counter("lookup_stats")
             ttft[cfg]["lookup_stats_per_request"] = (
                 run.last.counter("lookup_stats") / lookups
+            )
+            ttft[cfg]["reader_cpu_s_per_gb"] = cpu_s_per_gb(
+                run.last.counter("reader_cpu_us"), run.last.counter("bytes_read")
             )
     ttft["async"]["at_least_peer_everywhere"] = all(
         row["async"]["speedup"] >= row["peer"]["speedup"] for row in rows
@@ -343,12 +387,16 @@ def print_model(res: dict[str, Any]) -> None:
     print(f"no-hit throughput ({t['tokens']} tokens; best of "
           f"{len(t['tokens_per_s']['no cache'])}; outputs identical: "
           f"{t['outputs_identical']})")  # fmt: skip
-    print(f"  {'config':10} {'tok/s':>9} {'vs no cache':>12} {'save ms':>8}")
+    print(f"  {'config':10} {'tok/s':>9} {'vs no cache':>12} {'save ms':>8} "
+          f"{'writer CPU s/GB':>16}")  # fmt: skip
     for cfg in CONFIGS:
-        save = t["saves"].get(cfg, {}).get("save_ms_mean")
+        saves = t["saves"].get(cfg)
+        extra = ""
+        if saves is not None:
+            extra = (f"{saves['save_ms_mean']:8.2f} "
+                     f"{saves['writer_cpu_s_per_gb']:16.2f}")  # fmt: skip
         print(f"  {cfg:10} {t['best_tokens_per_s'][cfg]:9.0f} "
-              f"{t['ratio_vs_no_cache'][cfg]:11.3f}x "
-              f"{'' if save is None else f'{save:8.2f}'}")  # fmt: skip
+              f"{t['ratio_vs_no_cache'][cfg]:11.3f}x {extra}")  # fmt: skip
     print(f"TTFT of cached prompts on a fresh engine (block {f['block_size']}; "
           f"floor: loaded bytes at readv {f['readv_gbps']:.1f} GB/s + a "
           f"one-block forward of {f['one_block_forward_s'] * 1e3:.0f} ms)")  # fmt: skip
@@ -366,13 +414,26 @@ def print_model(res: dict[str, Any]) -> None:
     for cfg, c in f["configs"].items():
         extra = ""
         if "lookup_stats" in c:
-            extra = f", {c['lookup_stats_per_request']:.1f} stats per lookup"
+            extra = (f", {c['lookup_stats_per_request']:.1f} stats per lookup, "
+                     f"reader CPU {c['reader_cpu_s_per_gb']:.2f} s/GB")  # fmt: skip
         print(f"  {cfg}: speedup median {c['median_speedup']:.1f}x, worst "
               f"{c['worst_speedup']:.1f}x; worst vs floor "
               f"{c['worst_vs_floor']:.2f}; most recomputed "
               f"{c['most_recomputed']}; outputs "
               f"{'match' if c['outputs_match_recompute'] else 'DIFFER'}"
               f"{extra}")  # fmt: skip
+    print("where a hit's time goes (async, ms; load = read + verify + copy + "
+          "other; the rest is the front end's)")  # fmt: skip
+    names = ("queue", "lookup", "to load", "load", "read", "verify", "copy",
+             "other", "promote", "forward", "TTFT", "rest")  # fmt: skip
+    print(f"  {'tokens':>6} " + " ".join(f"{n:>7}" for n in names))
+    for row in f["rows"]:
+        b = row["async"]["breakdown"]
+        ph = b["phases_s"]
+        values = [ph[p] for p in HIT_PHASES[:4]] + [ph[p] for p in LOAD_PARTS]
+        values += [b["load_other_s"], ph["hit_promotion_s"], ph["hit_forward_s"]]
+        values += [b["ttft_s"], b["ttft_s"] - b["accounted_s"]]
+        print(f"  {row['tokens']:6d} " + " ".join(f"{v * 1e3:7.1f}" for v in values))
     a = f["configs"]["async"]
     print("targets: "
           f"recompute <= block + 1: {a['most_recomputed'] <= f['block_size'] + 1}; "

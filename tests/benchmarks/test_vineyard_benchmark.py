@@ -121,6 +121,8 @@ def test_engine_configs_side_by_side(engine: tuple[dict[str, Any], Path]) -> Non
         # Every step of unique prompts saves: the cache did write.
         assert t["saves"][cfg]["saves"] > 0
         assert t["saves"][cfg]["tokens_written"] > 0
+        # The writers' CPU time is reported with what they wrote.
+        assert t["saves"][cfg]["writer_cpu_s_per_gb"] > 0
 
 
 def test_engine_ttft_spread_is_loaded_to_the_block(
@@ -149,8 +151,33 @@ def test_engine_ttft_spread_is_loaded_to_the_block(
     assert c["outputs_match_recompute"]
     assert f["configs"]["peer"]["outputs_match_recompute"]
     assert c["loaded_tokens"] >= sum(row["async"]["loaded"] for row in f["rows"])
+    assert c["reader_cpu_s_per_gb"] > 0
     # At most one stat per block a lookup may hit (the cold one-block
     # prompt, the warm-up probe of the first length, the spread).
     looked_up = [block, lengths[0], *lengths]
     assert 0 < c["lookup_stats"] <= sum((n - 1) // block for n in looked_up)
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_engine_hit_breakdown_adds_up_to_the_ttft(
+    engine: tuple[dict[str, Any], Path],
+) -> None:
+    """Each cached probe's hit is timed once in every phase, the workers'
+    read, verify and copy fit inside its load, and the phases account for
+    its measured TTFT: all of it but the front end's work before and after
+    (within 10% for the typical probe; a preemption in the front end can
+    cost a single probe more at this size)."""
+    (model,) = engine[0]["models"]
+    shares = []
+    for row in model["ttft"]["rows"]:
+        b = row["async"]["breakdown"]
+        phases = b["phases_s"]
+        assert set(b["counts"].values()) == {1}, (row["tokens"], b["counts"])
+        assert all(seconds >= 0 for seconds in phases.values()), phases
+        assert b["load_other_s"] >= 0, b
+        assert phases["hit_forward_s"] > 0 and phases["load_read_s"] > 0
+        assert b["accounted_s"] <= b["ttft_s"] * 1.02, b
+        shares.append(b["accounted_share"])
+    shares.sort()
+    assert shares[len(shares) // 2] >= 0.9, shares
+    assert shares[0] >= 0.7, shares

@@ -78,7 +78,11 @@ def test_serve_loads_a_shared_document_from_vineyard(
     assert server.metric("load_errors") == 0
 
     # An orderly exit: SIGINT, the drain, and out within the bound.
-    assert server.stop(), f"vllm serve did not exit within {EXIT_BOUND_S} s"
+    exited = server.stop()
+    assert exited, (
+        f"vllm serve did not exit within {EXIT_BOUND_S} s; its log ends:\n"
+        f"{server.log()[-4000:]}\nits processes:\n{server.hang_report}"
+    )
     assert server.proc.returncode == 0, server.proc.returncode
     # The cache is on where, and only where, it was switched on.
     assert "vineyard cache on at" in server.log()

@@ -28,6 +28,10 @@ COUNTERS: dict[str, str] = {
     "which was left in place.",
     "bytes_read": "KV bytes read from vineyard (loads only; lookups read none).",
     "bytes_written": "KV bytes written to vineyard.",
+    "writer_cpu_us": "CPU time of the writer backends (writes, checksums, the "
+    "root's upkeep), in microseconds.",
+    "reader_cpu_us": "CPU time of the reader backends (reads, verification), "
+    "in microseconds.",
     "updates_submitted": "Updates handed to the background writer.",
     "updates_completed": "Updates written without a write error.",
     "updates_skipped": "Updates skipped because every buffer was in flight.",
@@ -63,8 +67,35 @@ HISTOGRAMS: dict[str, str] = {
     "update_queue_delay_s": "Time from an update's submit to the start of its write.",
     "update_exec_s": "Time the backend takes to write one update.",
     "save_caller_s": "Forward thread's time per save (copy and submit).",
-    "load_s": "Forward thread's time per load.",
+    "load_s": "Time from a load's start on a worker to its end (all its reads, "
+    "checks and copies).",
+    "load_read_s": "The reader backend's time reading one load's chunks.",
+    "load_verify_s": "The reader backend's time verifying one load's entries.",
+    "load_copy_s": "Forward thread's time copying one load's blocks into place.",
+    # Where a hit's time goes, per request with a hit, as the scheduler sees
+    # it; consecutive, so they add up to its time from arrival to its first
+    # forward pass's end.
+    "hit_queue_s": "A request with a hit: from its arrival to its first lookup.",
+    "hit_lookup_s": "A request with a hit: from its first lookup to the promise "
+    "of cached tokens (the background lookup).",
+    "hit_load_start_s": "A request with a hit: from the promise to its load "
+    "sent to the workers (its blocks allocated).",
+    "hit_load_s": "A request with a hit: from its load sent to the workers to "
+    "the scheduler learning it finished.",
+    "hit_promotion_s": "A request with a hit: from its load finished to its "
+    "forward pass scheduled.",
+    "hit_forward_s": "A request with a hit: its forward pass after the load (the "
+    "tokens not loaded, at least the last one).",
 }
+#: The phases of a hit, in order (see HISTOGRAMS).
+HIT_PHASES = (
+    "hit_queue_s",
+    "hit_lookup_s",
+    "hit_load_start_s",
+    "hit_load_s",
+    "hit_promotion_s",
+    "hit_forward_s",
+)
 
 
 class VineyardCacheMetrics:

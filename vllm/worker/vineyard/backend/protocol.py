@@ -118,10 +118,12 @@ class UpdateReply:
 @dataclass
 class QueryReply:
     """How many entries of the query were read and verified (whole
-    chunks)."""
+    chunks), and how long reading and verifying took (seconds)."""
 
     verified: int
     stats: BackendStats
+    read_s: float = 0.0
+    verify_s: float = 0.0
 
 
 @dataclass

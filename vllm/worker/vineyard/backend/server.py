@@ -30,6 +30,7 @@ import mmap
 import os
 import signal
 import stat
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -118,6 +119,9 @@ class _VineyardServer:
             llm, spec, int(self._entries.ctypes.data)
         )
         self._stats = dict.fromkeys(_COUNTERS, 0)
+        # This process's CPU time is reported in the counter of its role.
+        self._cpu_counter = "writer_cpu_us" if spec.sweep else "reader_cpu_us"
+        self._cpu_reported = time.process_time()
         self._removed: list[str] = []  # corrupt chunk files removed
         self._log = LogLimiter(logger)
         # The root's filesystem at start: a mount that goes away leaves an
@@ -300,14 +304,17 @@ class _VineyardServer:
         # and blocking on a FIFO: read only up to the first such entry.
         ids = ids[: self._regular_chunks(prefix, ids)]
         kv = self._kv_lists[request.buffer_id][: len(ids)]
+        started = time.perf_counter()
         found = int(self._cache.query(prefix, ids, kv)) if ids else 0
         found = min(found, len(ids)) // bpc * bpc
         self._stats["bytes_read"] += found * self._spec.entry_bytes
+        read = time.perf_counter()
         verified = 0
         while verified < found and self._sealer.verify(
             views[verified], digests[verified]
         ):
             verified += 1
+        verify_s = time.perf_counter() - read
         good = verified // bpc * bpc
         if good < found:  # failed verification
             bad_end = self._failed_chunk(prefix, ids, digests, views, verified)
@@ -320,7 +327,7 @@ class _VineyardServer:
         # prefix cache served this time, so LRU follows every use.
         first = 0 if request.touch_prefix and good else len(prefix) // bpc
         self._files.touch(prefix + ids, first, (len(prefix) + good) // bpc - first)
-        return QueryReply(good, self.take_stats())
+        return QueryReply(good, self.take_stats(), read - started, verify_s)
 
     def _failed_chunk(
         self,
@@ -413,6 +420,9 @@ class _VineyardServer:
         meanwhile (corrupt, expired, evicted)."""
         counters = self._stats
         self._stats = dict.fromkeys(self._stats, 0)
+        cpu = time.process_time()
+        counters[self._cpu_counter] = int(1e6 * (cpu - self._cpu_reported))
+        self._cpu_reported = cpu
         removed, self._removed = self._removed, []
         if self._sweeper is not None:
             counters.update(self._sweeper.take_stats())

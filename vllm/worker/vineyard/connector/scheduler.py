@@ -33,6 +33,7 @@ from vllm.logger import init_logger
 from vllm.worker.vineyard.backend.protocol import BackendError
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
+from vllm.worker.vineyard.connector.hit_timing import HitTimeline
 from vllm.worker.vineyard.connector.lookups import (
     BackgroundLookups,
     VineyardCacheLookup,
@@ -97,6 +98,8 @@ class _RequestState:
     saved: int = 0  # tokens from 0 in vineyard on every rank
     announced: int = 0  # blocks announced by a KV event
     held_from: int = 0  # blocks before it vLLM has freed (sliding window)
+    # Where its hit's time goes (None: no hit, or not timed any more).
+    timeline: HitTimeline | None = None
 
     def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
         """A rank's write stored tokens ``[begin, end)`` (writes finish in
@@ -156,6 +159,8 @@ class VineyardConnectorScheduler:
         self._events: StorageEvents | None = None
         self._lookup: BackgroundLookups | None = None
         self._requests: dict[str, _RequestState] = {}
+        # Requests with a hit in their first forward pass after the load.
+        self._forwarding: list[_RequestState] = []
         self._namespaces: list[str] = []  # every rank's, once handshaken
         # Finished requests whose writes may still be reported (KV events).
         self._finished: collections.OrderedDict[str, _RequestState] = (
@@ -216,6 +221,7 @@ class VineyardConnectorScheduler:
         if state is None:
             keys = request_keys(request, self.block_size)
             state = _RequestState(request, keys)
+            state.timeline = HitTimeline(request.arrival_time)
             self._requests[request.request_id] = state
         state.load = None
         state.num_local_tokens = num_computed_tokens
@@ -235,6 +241,8 @@ class VineyardConnectorScheduler:
         num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
+        if state.timeline is not None and not state.timeline.answered(num_hit):
+            state.timeline = None
         return num_hit, num_hit > 0
 
     def update_state_after_alloc(
@@ -255,6 +263,7 @@ class VineyardConnectorScheduler:
         short (a request whose load failed at block ``b`` on any rank is
         never promised more than ``b`` again, and saves from there again on
         every rank), how far requests are saved, and which ranks can load."""
+        self._forward_passes_ended()
         bs = self.block_size
         if output.invalid_block_ids:
             for state in self._requests.values():
@@ -270,6 +279,8 @@ class VineyardConnectorScheduler:
             finished = self._requests.get(req_id)
             if finished is not None:
                 finished.loading = None
+                if finished.timeline is not None:
+                    finished.timeline.finished_loading()
         report = output.kv_connector_worker_meta
         if isinstance(report, VineyardWorkerReport):
             self._apply_report(report)
@@ -309,6 +320,7 @@ class VineyardConnectorScheduler:
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> VineyardConnectorMetadata:
+        self._forward_passes_ended()
         meta = VineyardConnectorMetadata(resets=self._resets)
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
@@ -335,7 +347,11 @@ class VineyardConnectorScheduler:
         deltas = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None or state.save_from == NEVER:
+            if state is None:
+                continue
+            if state.timeline is not None and state.timeline.forward_scheduled():
+                self._forwarding.append(state)
+            if state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
             num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
@@ -383,7 +399,19 @@ class VineyardConnectorScheduler:
                 )
             )
             state.loading, state.load = state.load, None
+            if state.timeline is not None:
+                state.timeline.sent()
         return deltas
+
+    def _forward_passes_ended(self) -> None:
+        """The step that ran the forward passes scheduled after loads ended
+        (vLLM calls one of the hooks that call this after each step): time
+        their hits."""
+        for state in self._forwarding:
+            assert state.timeline is not None
+            state.timeline.observe(self.metrics)
+            state.timeline = None
+        self._forwarding.clear()
 
     @staticmethod
     def _held_from(scheduler_output: SchedulerOutput, req_id: str, known: int) -> int:
@@ -440,6 +468,7 @@ class VineyardConnectorScheduler:
         return left == 0
 
     def request_finished(self, request: Request) -> None:
+        self._forward_passes_ended()
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.save_from != NEVER and self._events is not None:
             # Its last writes are reported after it finished: announce them.

@@ -49,6 +49,9 @@ class LoadJob:
     loaded: int = 0  # end of the blocks filled so far
     cancelled: bool = False
     started_at: float = field(default_factory=time.perf_counter)
+    read_s: float = 0.0  # the reader's time reading, verifying; ours copying
+    verify_s: float = 0.0
+    copy_s: float = 0.0
 
 
 class LoadPipeline:
@@ -175,11 +178,14 @@ class LoadPipeline:
             try:
                 # A stuck reader is given up on at once (and restarted).
                 timeout_s = None if ready else 0.0
-                verified = self._calls.receive(reader, QueryReply, timeout_s).verified
+                reply = self._calls.receive(reader, QueryReply, timeout_s)
             except BackendError as e:
                 logger.warning("vineyard cache read failed, recomputing: %s", e)
                 self._finish(job)
                 continue
+            verified = reply.verified
+            job.read_s += reply.read_s
+            job.verify_s += reply.verify_s
             s, seg_end = job.segments[k]
             more = (
                 s + verified == seg_end
@@ -193,7 +199,9 @@ class LoadPipeline:
             if not job.cancelled:
                 skip, use = max(0, job.loaded - s), min(verified, job.last - s)
                 if use > skip:
+                    copy_started = time.perf_counter()
                     self._copy_in(buffer, skip, use, job.block_ids[s + skip : s + use])
+                    job.copy_s += time.perf_counter() - copy_started
                     job.loaded = s + use
             if not more:
                 self._finish(job)
@@ -256,6 +264,9 @@ class LoadPipeline:
                     end - start,
                 )
         self._metrics.observe("load_s", time.perf_counter() - job.started_at)
+        self._metrics.observe("load_read_s", job.read_s)
+        self._metrics.observe("load_verify_s", job.verify_s)
+        self._metrics.observe("load_copy_s", job.copy_s)
         self._finished.append((job.req_id, loaded, end))
 
     def _copy_in(
