@@ -11,10 +11,12 @@ test_vineyard_updates.py.
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -255,6 +257,61 @@ def test_a_burst_at_startup_takes_every_buffer(memory: StagingMemory) -> None:
         assert pool.get() is None
         pool.close()
         assert pool.num_created == 8
+
+
+class SlicedPool(TestingPool):
+    """Buffers of many slices, recording the priority (nice) each thread
+    backs them at."""
+
+    SLICE_BYTES = 4096
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.nice_by_thread: dict[str, int] = {}
+        super().__init__(*args, **kwargs)
+
+    def _back_slice(self, buffer_id: int, index: int) -> None:
+        name = threading.current_thread().name
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        self.nice_by_thread.setdefault(name, nice)
+        super()._back_slice(buffer_id, index)
+
+
+def test_a_burst_takes_over_buffers_half_backed() -> None:
+    """Buffers of 16 slices, a burst racing the background thread at
+    different points: every buffer is handed out once, wholly backed
+    (every byte of dirty memory zeroed: no slice skipped), and the
+    background thread backs at the lowest priority while the forward
+    thread's own backing keeps its priority."""
+    mem = StagingMemory(8, 16, 4096, torch.float32)  # 64 KiB buffers
+    own_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        for _ in range(20):
+            mem.tensor.view(torch.uint8).fill_(0xAB)
+            pool = SlicedPool(mem, 1, 8, True)
+            taken = [pool.get() for _ in range(8)]
+            assert sorted(taken) == list(range(8))  # type: ignore[type-var]
+            assert pool.get() is None
+            for buffer_id in taken:
+                assert buffer_id is not None
+                assert not pool.buffer(buffer_id).view(torch.uint8).any()
+            pool.close()
+            assert pool.num_created == 8
+            assert pool.nice_by_thread.get("vineyard-pool-backer", 19) == 19
+            assert pool.nice_by_thread[threading.current_thread().name] == own_nice
+    finally:
+        mem.close()
+
+
+def test_the_background_thread_backs_every_buffer_at_low_priority() -> None:
+    mem = StagingMemory(4, 16, 4096, torch.float32)
+    pool = SlicedPool(mem, 1, 4, True)
+    try:
+        assert wait_until(lambda: pool.num_created == 4, 30.0)
+        assert pool.nice_by_thread["vineyard-pool-backer"] == 19
+        assert pool.num_free == 4
+    finally:
+        pool.close()
+        mem.close()
 
 
 # --------------------------------------------------------------------------

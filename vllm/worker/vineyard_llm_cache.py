@@ -20,6 +20,7 @@ block ids cross the process boundary.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -68,14 +69,21 @@ class _PinnedTensorPool:
 
     ``min_buffers`` are backed (touched, and pinned on CUDA) up front; the
     rest, up to ``max_buffers``, by a background thread right after
-    (``back_ahead``): backing a buffer's pages costs
-    hundreds of ms for a large one, which a burst must not pay on the
-    forward thread. A :meth:`get` that comes before that thread got to a
-    buffer backs one itself, or waits for the one the thread is backing,
-    as a burst at startup needs the buffer (skipping it would lose a save
-    that waiting keeps). When every buffer is in flight ``get`` returns
-    ``None`` and the caller skips its update.
+    (``back_ahead``): backing a buffer's pages costs hundreds of ms for a
+    large one, which a burst must not pay on the forward thread. That
+    thread runs at the lowest priority and backs a slice at a time: it
+    shares the engine's cores, and at the engine's priority it took half of
+    the forward thread's core for seconds after startup (a fresh engine's
+    first hits ran their forward pass 2x slower). A :meth:`get` that comes
+    before the thread got to a buffer backs what is left of one itself
+    (waiting at most for the slice the thread is on), as a burst at startup
+    needs the buffer (skipping it would lose a save that backing keeps).
+    When every buffer is in flight ``get`` returns ``None`` and the caller
+    skips its update.
     """
+
+    #: Bytes backed per step of the background thread.
+    SLICE_BYTES = 4 << 20
 
     def __init__(
         self,
@@ -91,11 +99,17 @@ class _PinnedTensorPool:
         self._free: list[int] = []
         self._pinned: list[torch.Tensor] = []
         self.max_buffers = max_buffers
+        nbytes = memory.tensor[0].numel() * memory.tensor.element_size()
+        self._num_slices = max(1, -(-nbytes // self.SLICE_BYTES))
+        # Buffers being backed: slices claimed and slices done; a get()
+        # that took one over (``_taken``) receives it, not the free list.
+        self._backing: dict[int, list[int]] = {}
+        self._taken: set[int] = set()
         self._num_claimed = 0  # buffers being backed or backed
         self._num_created = 0  # buffers backed
         self._closing = False
         for _ in range(min_buffers):
-            self._create(self._claim(), free=True)
+            self._back_here(self._claim_buffer())
         self._backer: threading.Thread | None = None
         if back_ahead and max_buffers > min_buffers:
             self._backer = threading.Thread(
@@ -103,50 +117,99 @@ class _PinnedTensorPool:
             )
             self._backer.start()
 
-    def _claim(self) -> int:
+    def _claim_buffer(self) -> int:
         buffer_id = self._num_claimed
         self._num_claimed += 1
+        self._backing[buffer_id] = [0, 0]
         return buffer_id
 
-    def _create(self, buffer_id: int, free: bool = False) -> int:
-        """Back a claimed buffer (and with ``free``, put it in the pool)."""
+    def _claim_slice(self, buffer_id: int) -> int | None:
+        progress = self._backing.get(buffer_id)
+        if progress is None or progress[0] >= self._num_slices:
+            return None
+        progress[0] += 1
+        return progress[0] - 1
+
+    def _back_slice(self, buffer_id: int, index: int) -> None:
+        """Touch one slice of a claimed buffer; whoever backs its last
+        slice pins it and hands it on (to the free list or its taker)."""
+        flat = self._memory.tensor[buffer_id].view(-1).view(torch.uint8)
+        at = index * self.SLICE_BYTES
+        flat[at : at + self.SLICE_BYTES].fill_(0)  # back the pages now
+        with self._lock:
+            self._backing[buffer_id][1] += 1
+            if self._backing[buffer_id][1] < self._num_slices:
+                return
         buffer = self._memory.tensor[buffer_id]
-        buffer.view(torch.uint8).fill_(0)  # back the pages now, not mid-step
         pinned = pin(buffer)
         with self._lock:
+            del self._backing[buffer_id]
             if pinned:
                 self._pinned.append(buffer)
             self._num_created += 1
-            if free:
+            if buffer_id in self._taken:
+                self._taken.discard(buffer_id)
+            else:
                 self._free.append(buffer_id)
             self._backed.notify_all()
+
+    def _back_here(self, buffer_id: int) -> int:
+        """Back what is left of a claimed buffer on this thread and wait
+        for any slice another thread is on (a buffer in ``_taken`` then
+        goes to the caller, else to the pool)."""
+        while True:
+            with self._lock:
+                index = self._claim_slice(buffer_id)
+            if index is None:
+                break
+            self._back_slice(buffer_id, index)
+        with self._lock:
+            while buffer_id in self._backing:
+                self._backed.wait()
         return buffer_id
 
     def _back_the_rest(self) -> None:
-        # At the engine's priority: a get() may wait for the buffer this
-        # thread is backing, so it must not be starved.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._lock:
-                if self._closing or self._num_claimed >= self.max_buffers:
+                if self._closing:
                     return
-                buffer_id = self._claim()
-            self._create(buffer_id, free=True)
+                # Go on with the buffer started (unless a get() took it
+                # over), else start the next one.
+                started = [b for b in self._backing if b not in self._taken]
+                if started:
+                    buffer_id = started[0]
+                elif self._num_claimed < self.max_buffers:
+                    buffer_id = self._claim_buffer()
+                else:
+                    return
+                index = self._claim_slice(buffer_id)
+            if index is not None:
+                self._back_slice(buffer_id, index)
+            else:
+                # Its last slices are being backed: the buffer needs
+                # nothing more from this thread.
+                with self._lock:
+                    while buffer_id in self._backing and not self._closing:
+                        self._backed.wait()
 
     def get(self) -> int | None:
         """A free buffer's id, or ``None`` if all are in flight."""
         with self._lock:
-            # The background thread is backing the last buffers: wait for
-            # one (at most one buffer's backing, what creating it costs).
-            while not self._free and self._num_created < self._num_claimed:
-                if self._num_claimed < self.max_buffers:
-                    break  # one is left to claim: back it here
-                self._backed.wait()
             if self._free:
                 return self._free.pop()
-            if self._num_claimed >= self.max_buffers:
+            # Take over a buffer the background thread started, else
+            # claim a new one, and back it here.
+            started = [b for b in self._backing if b not in self._taken]
+            if started:
+                buffer_id = started[0]
+            elif self._num_claimed < self.max_buffers:
+                buffer_id = self._claim_buffer()
+            else:
                 return None
-            buffer_id = self._claim()
-        return self._create(buffer_id)
+            self._taken.add(buffer_id)  # handed to this caller when backed
+        return self._back_here(buffer_id)
 
     def put(self, buffer_id: int) -> None:
         with self._lock:
@@ -160,13 +223,15 @@ class _PinnedTensorPool:
     @property
     def num_free(self) -> int:
         with self._lock:
-            return len(self._free) + self.max_buffers - self._num_claimed
+            started = sum(b not in self._taken for b in self._backing)
+            return len(self._free) + started + self.max_buffers - self._num_claimed
 
     def close(self) -> None:
         with self._lock:
             self._closing = True
+            self._backed.notify_all()
         if self._backer is not None:
-            self._backer.join()  # at most one buffer's backing
+            self._backer.join()  # at most one slice's backing
         for buffer in self._pinned:
             unpin(buffer)
         self._pinned.clear()
