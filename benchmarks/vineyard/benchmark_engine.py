@@ -423,7 +423,8 @@ def print_model(res: dict[str, Any]) -> None:
               f"{'match' if c['outputs_match_recompute'] else 'DIFFER'}"
               f"{extra}")  # fmt: skip
     print("where a hit's time goes (async, ms; load = read + verify + copy + "
-          "other; the rest is the front end's)")  # fmt: skip
+          "other, where a negative other is the copies' overlap with the next "
+          "segment's read; rest: the front end's)")  # fmt: skip
     names = ("queue", "lookup", "to load", "load", "read", "verify", "copy",
              "other", "promote", "forward", "TTFT", "rest")  # fmt: skip
     print(f"  {'tokens':>6} " + " ".join(f"{n:>7}" for n in names))
