@@ -123,6 +123,16 @@ class _PinnedTensorPool:
         self._backing[buffer_id] = [0, 0]
         return buffer_id
 
+    def _buffer_to_back(self) -> int | None:
+        """(Lock held.) The buffer started and not taken by a get(), else a
+        newly claimed one; ``None`` when every buffer is claimed."""
+        for buffer_id in self._backing:
+            if buffer_id not in self._taken:
+                return buffer_id
+        if self._num_claimed < self.max_buffers:
+            return self._claim_buffer()
+        return None
+
     def _claim_slice(self, buffer_id: int) -> int | None:
         progress = self._backing.get(buffer_id)
         if progress is None or progress[0] >= self._num_slices:
@@ -175,14 +185,8 @@ class _PinnedTensorPool:
             with self._lock:
                 if self._closing:
                     return
-                # Go on with the buffer started (unless a get() took it
-                # over), else start the next one.
-                started = [b for b in self._backing if b not in self._taken]
-                if started:
-                    buffer_id = started[0]
-                elif self._num_claimed < self.max_buffers:
-                    buffer_id = self._claim_buffer()
-                else:
+                buffer_id = self._buffer_to_back()
+                if buffer_id is None:
                     return
                 index = self._claim_slice(buffer_id)
             if index is not None:
@@ -201,12 +205,8 @@ class _PinnedTensorPool:
                 return self._free.pop()
             # Take over a buffer the background thread started, else
             # claim a new one, and back it here.
-            started = [b for b in self._backing if b not in self._taken]
-            if started:
-                buffer_id = started[0]
-            elif self._num_claimed < self.max_buffers:
-                buffer_id = self._claim_buffer()
-            else:
+            buffer_id = self._buffer_to_back()
+            if buffer_id is None:
                 return None
             self._taken.add(buffer_id)  # handed to this caller when backed
         return self._back_here(buffer_id)
