@@ -198,7 +198,9 @@ class Server:
 
 def stacks_of_session(sid: int) -> str:
     """Where every process of session ``sid`` is: Python stacks by py-spy
-    (a dev dependency), else each thread's kernel wait channel."""
+    (a dev dependency; without pausing it, so a process blocked in the
+    kernel does not block the dump), else each thread's kernel wait
+    channel."""
     pids = []
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -207,12 +209,13 @@ def stacks_of_session(sid: int) -> str:
     py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
     report = []
     for pid in sorted(pids):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        report.append(f"--- pid {pid}: {cmdline.decode(errors='replace')[:200]}")
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            report.append(f"--- pid {pid}: {cmdline.decode(errors='replace')[:200]}")
         if py_spy is not None:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 dump = subprocess.run(
-                    [py_spy, "dump", "--pid", str(pid)],
+                    [py_spy, "dump", "--nonblocking", "--pid", str(pid)],
                     capture_output=True,
                     text=True,
                     timeout=30,

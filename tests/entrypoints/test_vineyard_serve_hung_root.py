@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.script_testing import ROOT, mount_slow_fs
@@ -31,6 +30,7 @@ from tests.vineyard_serve_testing import (
     STARTUP_TIMEOUT_S,
     Server,
     prepare_model,
+    stacks_of_session,
 )
 from tests.vineyard_testing import engine_cpu
 
@@ -51,18 +51,6 @@ def slow_fs(tmp_path: Path) -> Iterator[SlowFs]:
     yield fs
     fs.freeze(False)
     fs.close()
-
-
-def processes(pid: int) -> str:
-    """The server's processes, what state each is in and where it waits."""
-    lines = []
-    for proc in [psutil.Process(pid), *psutil.Process(pid).children(True)]:
-        with suppress(psutil.Error, OSError):
-            wchan = Path(f"/proc/{proc.pid}/wchan").read_text()
-            lines.append(
-                f"{proc.pid} {proc.status()} {wchan} {' '.join(proc.cmdline()[:3])}"
-            )
-    return "\n".join(lines)
 
 
 @pytest.mark.timeout(900)
@@ -106,7 +94,7 @@ def test_sigint_with_a_hung_root_exits_within_the_drain_timeout(
         took = time.monotonic() - start
         assert server.proc.poll() is not None, (
             f"vllm serve still running {took:.0f} s after SIGINT; its "
-            f"processes:\n{processes(server.proc.pid)}\nlog tail:\n"
+            f"processes:\n{stacks_of_session(server.proc.pid)}\nlog tail:\n"
             + server.log()[-4000:]
         )
     finally:

@@ -189,14 +189,9 @@ class _PinnedTensorPool:
                 if buffer_id is None:
                     return
                 index = self._claim_slice(buffer_id)
-            if index is not None:
-                self._back_slice(buffer_id, index)
-            else:
-                # Its last slices are being backed: the buffer needs
-                # nothing more from this thread.
-                with self._lock:
-                    while buffer_id in self._backing and not self._closing:
-                        self._backed.wait()
+            # Not taken by a get(): no other thread backs its slices.
+            assert index is not None
+            self._back_slice(buffer_id, index)
 
     def get(self) -> int | None:
         """A free buffer's id, or ``None`` if all are in flight."""
