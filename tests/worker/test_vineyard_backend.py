@@ -37,6 +37,7 @@ from tests.worker.vineyard_cache_testing import (
     stop_process,
 )
 from vllm.worker.vineyard import launch
+from vllm.worker.vineyard.backend import client
 from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
 
@@ -377,10 +378,15 @@ def test_a_slow_writer_that_progresses_is_not_restarted(
         fs.close()
 
 
-def test_a_writer_starved_of_cpu_is_not_restarted(make_cache: CacheFactory) -> None:
+def test_a_writer_starved_of_cpu_is_not_restarted(
+    make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A writer whose core busy processes at the highest priority take for
     3 s (as busy engines can) is runnable, not hung: its write, three
-    timeouts late, completes and it is not restarted."""
+    timeouts late and past the cap on a request's busy time (lowered here
+    to two timeouts; waits for a CPU do not count), completes and it is not
+    restarted."""
+    monkeypatch.setattr(client, "MAX_BUSY_TIMEOUTS", 2)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to starve, one for the test")

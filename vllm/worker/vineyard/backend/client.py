@@ -20,6 +20,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -33,7 +34,8 @@ ReplyT = TypeVar("ReplyT")
 #: How often a wait for an answer looks at the backend's progress.
 PROGRESS_POLL_S = 0.25
 #: A backend that keeps making progress is waited for up to this many
-#: timeouts before it is taken for hung (a loop that never finishes).
+#: timeouts of its own time (not counting its waits for a CPU) before it is
+#: taken for hung (a loop that never finishes).
 MAX_BUSY_TIMEOUTS = 10
 
 
@@ -113,6 +115,43 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
         return None
 
 
+def _run_s(pid: int | None) -> tuple[float, bool] | None:
+    """The CPU time the threads of ``pid`` have had, in all (the
+    scheduler's own count), and whether one of them is runnable now (on a
+    CPU or waiting for one); ``None`` where ``/proc`` does not tell."""
+    if pid is None:
+        return None
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    ran_ns = 0
+    for tid in tids:
+        with (
+            contextlib.suppress(OSError, ValueError, IndexError),
+            open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f,
+        ):
+            ran_ns += int(f.read().split()[0])
+    return ran_ns / 1e9, _runnable(pid, state)
+
+
+@dataclass
+class _Watch:
+    """The progress of the request in flight."""
+
+    mark: tuple[int, ...] | None  # its process's progress as last seen
+    quiet_since: float  # when that last changed
+    checked_at: float
+    ran_s: float | None  # its process's CPU time at ``checked_at``
+    #: Time the request has had: while its process is runnable, only the
+    #: CPU time it got. Busy engines can starve a backend for tens of
+    #: seconds (measured with two instances on two cores), and a starved
+    #: backend is slow, not hung.
+    busy_s: float = 0.0
+
+
 #: Longest close() waits for a call or start that holds the handle after
 #: the process was killed (a kill ends them at once unless the process is
 #: stuck in the kernel, e.g. on a dead filesystem).
@@ -160,9 +199,7 @@ class BackendProcess:
         # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
         # lookup process's handle must never touch the root).
         self._disk_stat = _disk_stat_path(spec.cache_root) if disk_progress else None
-        # The request in flight: its process's progress as last seen, when
-        # that last changed, and when the request was sent.
-        self._watch: tuple[tuple[int, ...] | None, float, float] = (None, 0.0, 0.0)
+        self._watch = _Watch(None, 0.0, 0.0, None)
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own.
         self._restart_in_background = restart_in_background
@@ -379,8 +416,11 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = request.op
-            now = time.monotonic()
-            self._watch = (_progress(self._pid(), self._disk_stat), now, now)
+            now, pid = time.monotonic(), self._pid()
+            run = _run_s(pid)
+            self._watch = _Watch(
+                _progress(pid, self._disk_stat), now, now, run[0] if run else None
+            )
         finally:
             self._lock.release()
 
@@ -390,18 +430,26 @@ class BackendProcess:
     def _stall_locked(self, quiet_s: float) -> str | None:
         """Why the request in flight is taken for hung, or ``None``: its
         process made no progress for ``quiet_s``, or has been busy with it
-        for :data:`MAX_BUSY_TIMEOUTS` times that. A process starved of CPU
-        or waiting for a busy disk is slow, not hung: it goes on."""
-        mark, quiet_since, sent_at = self._watch
-        now = time.monotonic()
-        seen = _progress(self._pid(), self._disk_stat)
-        if seen is not None and seen != mark:
-            self._watch = (seen, now, sent_at)
-            quiet_since = now
-        if now - quiet_since >= quiet_s:
+        for :data:`MAX_BUSY_TIMEOUTS` times that, not counting its waits
+        for a CPU. A process starved of CPU or waiting for a busy disk is
+        slow, not hung: it goes on."""
+        watch, now, pid = self._watch, time.monotonic(), self._pid()
+        seen = _progress(pid, self._disk_stat)
+        if seen is not None and seen != watch.mark:
+            watch.mark, watch.quiet_since = seen, now
+        run, had_s = _run_s(pid), now - watch.checked_at
+        if run is not None and watch.ran_s is not None and run[1]:
+            # Runnable: the CPU it got, not the time it waited for one.
+            had_s = min(had_s, max(0.0, run[0] - watch.ran_s))
+        watch.busy_s += had_s
+        watch.checked_at, watch.ran_s = now, (run[0] if run else None)
+        if now - watch.quiet_since >= quiet_s:
             return f"no progress for {quiet_s:g} s"
-        if now - sent_at >= MAX_BUSY_TIMEOUTS * quiet_s:
-            return f"still busy after {now - sent_at:.0f} s"
+        if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
+            return (
+                f"still busy after {watch.busy_s:.0f} s (not counting its "
+                "waits for a CPU)"
+            )
         return None
 
     def stalled(self, quiet_s: float | None = None) -> str | None:
