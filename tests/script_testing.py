@@ -27,7 +27,9 @@ def load_script(path: Path, name: str) -> ModuleType:
     return module
 
 
-def mount_slow_fs(work: Path, latency_ms: float = 0.0) -> Any:
+def mount_slow_fs(
+    work: Path, latency_ms: float = 0.0, io_latency_ms: float = 0.0
+) -> Any:
     """The benchmark's FUSE filesystem (``benchmarks/vineyard/slow_fs.py``, a
     passthrough that can be slowed or frozen) mounted under ``work``; the
     test is skipped, with the reason, where FUSE cannot mount here."""
@@ -38,7 +40,7 @@ def mount_slow_fs(work: Path, latency_ms: float = 0.0) -> Any:
     if why is not None:
         pytest.skip(f"no FUSE filesystem here: {why}")
     try:
-        return SlowFs(work, latency_ms)
+        return SlowFs(work, latency_ms, io_latency_ms)
     except RuntimeError as e:  # e.g. a container without FUSE permission
         log = (work / "fuse.log").read_text()[-2000:]
         pytest.skip(f"the FUSE filesystem did not mount here: {e}\n{log}")

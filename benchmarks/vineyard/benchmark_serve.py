@@ -9,16 +9,20 @@ concurrency of several requests. Configurations, side by side in one run:
 - ``no cache``; ``vineyard`` (the cache on a local root); vLLM's
   ``ExampleConnector`` (the peer); ``restart`` (a second server on the
   vineyard root the first one filled);
-- ``slow fs``: the cache root behind a passthrough FUSE filesystem that adds
-  a remote filesystem's round trip to every ``stat`` and ``open`` (about
-  20 ms per ``stat``, measured and reported; ``slow_fs.py``);
-- ``frozen``: the same FUSE root, frozen for ``--freeze-s`` seconds from
+- ``fuse``: the cache root behind a passthrough FUSE filesystem
+  (``slow_fs.py``) that adds nothing: the baseline of the next two rows;
+- ``slow fs``: the same, adding a remote filesystem's round trip to every
+  ``stat`` and ``open`` (about 20 ms each, measured and reported), to the
+  first ``read`` of each open file and to every ``fsync``
+  (``io_latency_ms``);
+- ``frozen``: the slow FUSE root, frozen for ``--freeze-s`` seconds from
   ``--freeze-at-s`` into the run (a filesystem server that stops
   answering): requests completed during the freeze are counted, and the
   server's shutdown afterwards is timed.
 
 Per configuration: mean and p99 TTFT, p99 and max inter-token latency,
-request throughput, and the vineyard hit rate. ``--scenario chats`` runs
+request throughput, and the vineyard hit rate; then the slow and frozen
+roots' ratios to ``fuse``. ``--scenario chats`` runs
 the several-instance scenario instead (``serve_chats.py``). Usage::
 
     python benchmarks/vineyard/benchmark_serve.py [--quick] [--json out.json]
@@ -68,7 +72,8 @@ class Plan:
     num_prompts: int = 96
     concurrency: int = 4
     kvcache_space_gib: int = 1  # vLLM's own KV cache: less than the prefixes
-    latency_ms: float = 10.0  # per FUSE call: about 20 ms per stat
+    latency_ms: float = 10.0  # per FUSE call: about 20 ms per stat or open
+    io_latency_ms: float = 20.0  # a file's first read, and each fsync
     freeze_at_s: float = 60.0  # in the steady state, not the cold start
     freeze_s: float = 20.0
     backend_timeout_s: float = 5.0
@@ -276,11 +281,19 @@ def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]
     if why_not is not None:
         results["fuse"] = {"skipped": why_not}
         return {"plan": asdict(plan), "configs": results}
-    for name, freeze in (("slow fs", False), ("frozen", True)):
+    for name, slow, freeze in (
+        ("fuse", False, False),
+        ("slow fs", True, False),
+        ("frozen", True, True),
+    ):
         if only and name not in only:
             continue
         print(f"  {name} ...", end="", flush=True)
-        fs = SlowFs(work / name.replace(" ", "-"), plan.latency_ms)
+        fs = SlowFs(
+            work / name.replace(" ", "-"),
+            plan.latency_ms if slow else 0.0,
+            plan.io_latency_ms if slow else 0.0,
+        )
         stat_ms = fs.stat_latency_ms()
         server = Server(name.replace(" ", "-"), model, work,
                         cache_env(fs.mount / "root"), [])  # fmt: skip
@@ -335,6 +348,20 @@ def print_report(result: dict[str, Any]) -> None:
         if "completed_during_freeze" in r:
             print(f"    requests completed during the {p['freeze_s']:g} s freeze: "
                   f"{r['completed_during_freeze']:g}")  # fmt: skip
+    configs = result["configs"]
+    base = configs.get("fuse", {})
+    if base.get("p99_itl_ms") and base.get("requests_per_s"):
+        print("  vs the same FUSE root without latency (targets: slow fs p99 ITL "
+              "<= 1.2x, throughput >= 0.9x; frozen max ITL <= 2x):")  # fmt: skip
+        for name in ("slow fs", "frozen"):
+            r = configs.get(name, {})
+            if not r.get("p99_itl_ms"):
+                continue
+            p99, top, tput = (
+                r[k] / base[k] for k in ("p99_itl_ms", "max_itl_ms", "requests_per_s")
+            )
+            print(f"    {name:10} p99 ITL {p99:.2f}x  max ITL {top:.2f}x  "
+                  f"throughput {tput:.2f}x")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A passthrough FUSE filesystem that makes a cache root slow or frozen, as a
 remote filesystem can be: every ``stat`` (getattr) and ``open``/``create``
-waits ``--latency-ms`` first, and while ``--freeze-file`` exists every
-operation blocks (a server that stops answering).
+waits ``--latency-ms`` first; with ``--io-latency-ms`` the first ``read``
+of each open file (the round trip before the first byte; later reads are
+read ahead) and every ``fsync`` (a commit on the server) wait too; while
+``--freeze-file`` exists every operation blocks (a server that stops
+answering).
 
     python benchmarks/vineyard/slow_fs.py BACKING_DIR MOUNTPOINT \
-        [--latency-ms 20] [--freeze-file PATH]
+        [--latency-ms 20] [--io-latency-ms 20] [--freeze-file PATH]
 
 Runs in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``) or
 killed. Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` (PyPI).
@@ -52,7 +55,7 @@ class SlowFs:
     caching a ``stat`` of a file is two calls here (lookup, getattr), so it
     costs about twice ``latency_ms`` (:meth:`stat_latency_ms` measures)."""
 
-    def __init__(self, work: Path, latency_ms: float = 0.0):
+    def __init__(self, work: Path, latency_ms: float = 0.0, io_latency_ms: float = 0.0):
         self.backing = work / "backing"
         self.mount = work / "mount"
         self.freeze_file = work / "freeze"
@@ -61,8 +64,8 @@ class SlowFs:
         self._log = open(work / "fuse.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(self.backing),
-             str(self.mount), "--latency-ms", str(latency_ms), "--freeze-file",
-             str(self.freeze_file)],
+             str(self.mount), "--latency-ms", str(latency_ms), "--io-latency-ms",
+             str(io_latency_ms), "--freeze-file", str(self.freeze_file)],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -107,19 +110,24 @@ class SlowFs:
 class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc]
     use_ns = True
 
-    def __init__(self, backing: str, latency_s: float, freeze_file: str):
+    def __init__(
+        self, backing: str, latency_s: float, io_latency_s: float, freeze_file: str
+    ):
         self.backing = os.path.realpath(backing)
         self.latency_s = latency_s
+        self.io_latency_s = io_latency_s
         self.freeze_file = freeze_file
+        self._read_from: set[int] = set()  # open files read from (not again slow)
 
     def _path(self, path: str) -> str:
         return os.path.join(self.backing, path.lstrip("/"))
 
-    def _gate(self, slow: bool) -> None:
+    def _gate(self, slow: bool, latency_s: float | None = None) -> None:
         while self.freeze_file and os.path.exists(self.freeze_file):
             time.sleep(0.05)
-        if slow and self.latency_s:
-            time.sleep(self.latency_s)
+        latency_s = self.latency_s if latency_s is None else latency_s
+        if slow and latency_s:
+            time.sleep(latency_s)
 
     # ---- metadata (slow) ---------------------------------------------------
 
@@ -158,7 +166,9 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         return [".", "..", *os.listdir(self._path(path))]
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        self._gate(slow=False)
+        first = fh not in self._read_from
+        self._read_from.add(fh)
+        self._gate(slow=first, latency_s=self.io_latency_s)
         return os.pread(fh, size, offset)
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
@@ -174,11 +184,12 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
-        self._gate(slow=False)
+        self._gate(slow=True, latency_s=self.io_latency_s)
         os.fdatasync(fh) if datasync else os.fsync(fh)
         return 0
 
     def release(self, path: str, fh: int) -> int:
+        self._read_from.discard(fh)
         os.close(fh)
         return 0
 
@@ -229,10 +240,16 @@ def main() -> None:
     parser.add_argument("backing")
     parser.add_argument("mountpoint")
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--io-latency-ms", type=float, default=0.0)
     parser.add_argument("--freeze-file", default="")
     args = parser.parse_args()
     fuse.FUSE(
-        SlowPassthrough(args.backing, args.latency_ms / 1e3, args.freeze_file),
+        SlowPassthrough(
+            args.backing,
+            args.latency_ms / 1e3,
+            args.io_latency_ms / 1e3,
+            args.freeze_file,
+        ),
         args.mountpoint,
         foreground=True,
         nothreads=False,

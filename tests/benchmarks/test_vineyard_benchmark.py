@@ -13,14 +13,16 @@ whose results are in the docs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.script_testing import ROOT, clean_env
+from tests.script_testing import ROOT, clean_env, mount_slow_fs
 
 SCRIPTS = ROOT / "benchmarks" / "vineyard"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -185,3 +187,46 @@ def test_engine_hit_breakdown_adds_up_to_the_ttft(
     shares.sort()
     assert shares[len(shares) // 2] >= 0.9, shares
     assert shares[0] >= 0.7, shares
+
+
+@pytest.mark.parametrize(("latency_ms", "io_latency_ms"), [(0, 0), (60, 0), (0, 60)])
+def test_slow_fs_adds_latency_where_a_remote_filesystem_has_it(
+    tmp_path: Path, latency_ms: float, io_latency_ms: float
+) -> None:
+    """The serving benchmark's slow root (``slow_fs.py``) delays what it
+    says: each ``stat`` and ``open`` by ``latency_ms``; the first ``read``
+    of an open file (not the next ones) and each ``fsync`` by
+    ``io_latency_ms``."""
+
+    def took_ms(op: Any, *args: Any) -> float:
+        start = time.perf_counter()
+        op(*args)
+        return 1e3 * (time.perf_counter() - start)
+
+    fs = mount_slow_fs(tmp_path / "fs", latency_ms, io_latency_ms)
+    try:
+        path = fs.mount / "chunk"
+        path.write_bytes(os.urandom(1 << 20))
+        metadata = [
+            took_ms(os.stat, path),
+            took_ms(lambda: os.close(os.open(path, os.O_RDONLY))),
+        ]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            first_ms = took_ms(os.pread, fd, 4096, 0)
+            next_ms = took_ms(os.pread, fd, 4096, 1 << 19)
+            fsync_ms = took_ms(os.fsync, fd)
+        finally:
+            os.close(fd)
+    finally:
+        fs.close()
+    fast_ms = 50.0  # an unloaded local call is well under this
+    if latency_ms:
+        assert min(metadata) >= latency_ms, metadata
+    else:
+        assert max(metadata) < fast_ms, metadata
+    if io_latency_ms:
+        assert min(first_ms, fsync_ms) >= io_latency_ms, (first_ms, fsync_ms)
+        assert next_ms < io_latency_ms, next_ms
+    elif not latency_ms:  # (with it, the kernel's getattr before a read waits)
+        assert max(first_ms, next_ms, fsync_ms) < fast_ms

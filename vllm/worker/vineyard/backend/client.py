@@ -266,9 +266,6 @@ class BackendProcess:
 
     def _spawn_locked(self) -> None:
         parent_sock, child_sock = socket.socketpair()
-        parent_cpus = ""
-        if hasattr(os, "sched_getaffinity"):
-            parent_cpus = ",".join(str(c) for c in os.sched_getaffinity(0))
         env = dict(os.environ)
         # vineyard names its temp files by PID; PIDs repeat across
         # containers sharing a root, so give every backend a unique name.
@@ -281,8 +278,6 @@ class BackendProcess:
             str(-1 if self._shm_fd is None else self._shm_fd),
             "--spec",
             self._spec.to_json(),
-            "--parent-cpus",
-            parent_cpus,
             "--nice",
             str(self._nice),
         ]

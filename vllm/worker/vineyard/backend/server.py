@@ -471,18 +471,18 @@ class _LookupServer:
         raise ValueError(f"unknown lookup request {request!r}")
 
 
-def _widen_affinity(parent_cpus: list[int]) -> None:
+def _use_every_core() -> None:
     """vLLM's CPU worker pins itself (and so its children) to its OpenMP
-    cores; run the backend on the other cores so it does not compete with
-    the forward pass, or on all cores if there are no others."""
+    cores; the backend may run on every core, where the scheduler finds
+    room (beside its own engine's forward pass, the writer's nice 10 lets
+    the pass win). Not on the other cores only: Linux shares a core among
+    groups of processes (sessions, cgroups) by each group's load there, and
+    with two instances on two cores a backend alone on the other instance's
+    core got no CPU for 12-20 s at a time."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        all_cpus = set(range(os.cpu_count() or 1))
-        others = all_cpus - set(parent_cpus)
-        os.sched_setaffinity(0, others or all_cpus)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def main(argv: list[str]) -> int:
@@ -490,7 +490,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--conn-fd", type=int, required=True)
     parser.add_argument("--shm-fd", type=int, required=True)
     parser.add_argument("--spec", type=str, required=True)
-    parser.add_argument("--parent-cpus", type=str, default="")
     parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -502,8 +501,7 @@ def main(argv: list[str]) -> int:
     # The engine decides when we stop (by closing the socket); Ctrl-C in the
     # terminal must not kill us first and lose in-flight writes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if args.parent_cpus:
-        _widen_affinity([int(c) for c in args.parent_cpus.split(",")])
+    _use_every_core()
     if args.nice:
         os.nice(args.nice)
 
