@@ -382,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         "several instances on one root, multi-round chats (serve_chats.py)",
     )
     parser.add_argument("--runs", type=int, help="chats: runs of each config")
+    parser.add_argument(
+        "--think-s", type=float, help="chats: pause before each next round"
+    )
+    parser.add_argument(
+        "--peer", action="store_true", help="chats: also vLLM's ExampleConnector"
+    )
     args = parser.parse_args(argv)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
@@ -394,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
             chats = QUICK_CHATS if args.quick else ChatPlan()
             if args.runs:
                 chats = replace(chats, runs=args.runs)
+            if args.think_s is not None:
+                chats = replace(chats, think_s=args.think_s)
+            chats = replace(chats, peer=args.peer)
             model, base_env, cache_env = setup(Plan(), Path(tmp))
             result = run_chats(chats, Path(tmp), model, base_env, cache_env)
             print_chats(result)

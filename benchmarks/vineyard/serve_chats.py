@@ -8,11 +8,12 @@ every later round lands on an instance that did not compute the round
 before, users concurrent, each next round sent as soon as the previous
 answer is in (as agents do) or after a think time.
 
-Per configuration (no cache, this cache): the mean TTFT of first and later
-rounds, the share of the tokens the previous round computed (its prompt and
-answer, on the other instance) that the next round found cached
-(``prompt_tokens_details.cached_tokens``, local and external hits), and
-for the cache, updates submitted and skipped and backend restarts.
+Per configuration (no cache, this cache and, with ``--peer``, vLLM's
+``ExampleConnector`` on one folder both instances share): the mean TTFT of
+first and later rounds, the share of the tokens the previous round computed
+(its prompt and answer, on the other instance) that the next round found
+cached (``prompt_tokens_details.cached_tokens``, local and external hits),
+and for the cache, updates submitted and skipped and backend restarts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ChatPlan:
     answer_tokens: int = 32
     think_s: float = 0.0  # back to back, as agents do
     runs: int = 3
+    peer: bool = False  # also vLLM's ExampleConnector on one shared folder
 
 
 QUICK_CHATS = ChatPlan(users=2, rounds=3, document_words=300, runs=1)
@@ -141,9 +143,14 @@ def summarize(plan: ChatPlan, turns: list[Turn]) -> dict[str, Any]:
 
 
 def run_config(
-    plan: ChatPlan, name: str, model: str, work: Path, env: dict[str, str]
+    plan: ChatPlan,
+    name: str,
+    model: str,
+    work: Path,
+    env: dict[str, str],
+    extra_args: list[str],
 ) -> dict[str, Any]:
-    args = ["--enable-prompt-tokens-details"]
+    args = ["--enable-prompt-tokens-details", *extra_args]
     # One core per instance where there are enough (their backends move to
     # the others': busy cores, as on a CPU-only server).
     cores = os.cpu_count() or 1
@@ -192,14 +199,29 @@ def run_chats(
     runs: list[dict[str, Any]] = []
     for i in range(plan.runs):
         run: dict[str, Any] = {}
-        for name, env in (
-            ("no cache", base_env),
-            ("vineyard", cache_env(work / f"root-{i}")),
-        ):
-            print(f"  run {i + 1}: {name} ...", end="", flush=True)
-            run[name] = run_config(
-                plan, f"{name.replace(' ', '-')}-{i}", model, work, env
+        configs: list[tuple[str, dict[str, str], list[str]]] = [
+            ("no cache", base_env, []),
+            ("vineyard", cache_env(work / f"root-{i}"), []),
+        ]
+        if plan.peer:
+            peer = json.dumps({
+                "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "shared_storage_path": str(work / f"peer-{i}")},
+            })  # fmt: skip
+            configs.append(
+                ("ExampleConnector", base_env, ["--kv-transfer-config", peer])
             )
+        for name, env, args in configs:
+            print(f"  run {i + 1}: {name} ...", end="", flush=True)
+            try:
+                run[name] = run_config(
+                    plan, f"{name.replace(' ', '-')}-{i}", model, work, env, args
+                )
+            except Exception as e:  # noqa: BLE001 - the peer's engine can crash
+                print(f" failed: {e}", flush=True)
+                run[name] = {"failed": str(e)[-300:]}
+                continue
             print(
                 f" later rounds {run[name]['later_rounds_ttft_ms']:.0f} ms", flush=True
             )
@@ -221,6 +243,9 @@ def print_chats(result: dict[str, Any]) -> None:
     for i, run in enumerate(result["runs"]):
         base = run["no cache"]["later_rounds_ttft_ms"]
         for name, r in run.items():
+            if "failed" in r:
+                print(f"  {f'{i + 1}: {name}':22} failed: {r['failed'][-120:]}")
+                continue
             row = "".join(f"{r[c]:26.2f}" if c in r else f"{'-':>26}" for c in cols)
             ratio = r["later_rounds_ttft_ms"] / base if base else 0.0
             print(f"  {f'{i + 1}: {name}':22}{row}  {ratio:.2f}x")
