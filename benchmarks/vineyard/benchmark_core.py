@@ -16,7 +16,7 @@ Measures, with the cache's real backend processes on a real vineyard root:
       syscalls, which must both stay at zero KV).
 
 The process is pinned to one core, like a forward pass; the cache's backends
-may run on every core. Usage::
+move to the other cores. Usage::
 
     python benchmarks/vineyard/benchmark_core.py [--tiny] [--repeats 3] \
         [--json out.json]

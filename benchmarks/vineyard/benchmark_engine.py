@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lengths:
         plan = replace(plan, ttft_lengths=tuple(args.lengths))
     # Inherited by the harness's fork server and every engine; the cache's
-    # backends may run on every core again.
+    # backends move to the other cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

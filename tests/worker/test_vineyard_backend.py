@@ -385,8 +385,10 @@ def test_a_writer_starved_of_cpu_is_not_restarted(
     3 s (as busy engines can) is runnable, not hung: its write, three
     timeouts late and past the cap on a request's busy time (lowered here
     to two timeouts; waits for a CPU do not count), completes and it is not
-    restarted."""
+    restarted. (It stays on the starved core: see
+    test_a_starved_backend_may_run_on_every_core.)"""
     monkeypatch.setattr(client, "MAX_BUSY_TIMEOUTS", 2)
+    monkeypatch.setattr(client, "STARVED_S", float("inf"))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to starve, one for the test")
@@ -426,3 +428,49 @@ def test_a_writer_starved_of_cpu_is_not_restarted(
     assert counters["backend_restarts"] == 0
     assert counters["updates_failed"] == 0
     assert h.pid("write") == pid
+
+
+def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> None:
+    """A writer that waits for a CPU on the cores it was given (busy
+    processes at the highest priority take them, as another instance's
+    engine can) for ``STARVED_S`` is let run on every core: its write
+    finishes long before the hogs stop. One that is not starved keeps
+    off the caller's core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one to starve, one for the test")
+    caller_core, busy = cores[0], {cores[-1]}
+    os.sched_setaffinity(0, {caller_core})  # as vLLM's CPU worker binds itself
+    try:
+        h = make_cache(backend_timeout_s=20.0)
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    pid = h.pid("write")
+    assert caller_core not in os.sched_getaffinity(pid)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), busy)
+
+    def on_that_core_first() -> None:
+        os.sched_setaffinity(0, busy)
+        os.nice(-20)
+
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"], preexec_fn=on_that_core_first
+        )
+        for _ in range(4)
+    ]
+    try:
+        start = time.perf_counter()
+        saved_sequence(h)  # asserts every whole chunk was written
+        took_s = time.perf_counter() - start
+        every_core = os.sched_getaffinity(pid)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert every_core > busy, every_core
+    assert took_s < 15.0, took_s  # the hogs alone would starve it for good
+    counters = h.counters()
+    assert counters["backend_restarts"] == 0
+    assert counters["updates_failed"] == 0

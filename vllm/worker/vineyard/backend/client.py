@@ -37,6 +37,10 @@ PROGRESS_POLL_S = 0.25
 #: timeouts of its own time (not counting its waits for a CPU) before it is
 #: taken for hung (a loop that never finishes).
 MAX_BUSY_TIMEOUTS = 10
+#: A backend that waited this long for a CPU during one request may run on
+#: every core from then on, beside its own engine's forward pass (it starts
+#: on the cores the worker does not use).
+STARVED_S = 1.0
 
 
 def _disk_stat_path(path: str) -> str | None:
@@ -150,6 +154,7 @@ class _Watch:
     #: seconds (measured with two instances on two cores), and a starved
     #: backend is slow, not hung.
     busy_s: float = 0.0
+    starved_s: float = 0.0  # the rest: runnable, without a CPU
 
 
 #: Longest close() waits for a call or start that holds the handle after
@@ -200,6 +205,7 @@ class BackendProcess:
         # lookup process's handle must never touch the root).
         self._disk_stat = _disk_stat_path(spec.cache_root) if disk_progress else None
         self._watch = _Watch(None, 0.0, 0.0, None)
+        self._everywhere = False  # the process may run on every core
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own.
         self._restart_in_background = restart_in_background
@@ -327,6 +333,7 @@ class BackendProcess:
             # Set while it starts: close() kills it from another thread.
             self._starting = None
         self._proc, self._conn = proc, conn
+        self._everywhere = False  # a new process starts off the worker's cores
 
     def _reap(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
@@ -432,12 +439,16 @@ class BackendProcess:
         seen = _progress(pid, self._disk_stat)
         if seen is not None and seen != watch.mark:
             watch.mark, watch.quiet_since = seen, now
-        run, had_s = _run_s(pid), now - watch.checked_at
+        run, elapsed_s = _run_s(pid), now - watch.checked_at
+        had_s = elapsed_s
         if run is not None and watch.ran_s is not None and run[1]:
             # Runnable: the CPU it got, not the time it waited for one.
             had_s = min(had_s, max(0.0, run[0] - watch.ran_s))
         watch.busy_s += had_s
+        watch.starved_s += elapsed_s - had_s
         watch.checked_at, watch.ran_s = now, (run[0] if run else None)
+        if watch.starved_s >= STARVED_S and pid is not None and not self._everywhere:
+            self._run_everywhere(pid, watch.starved_s)
         if now - watch.quiet_since >= quiet_s:
             return f"no progress for {quiet_s:g} s"
         if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
@@ -446,6 +457,27 @@ class BackendProcess:
                 "waits for a CPU)"
             )
         return None
+
+    def _run_everywhere(self, pid: int, starved_s: float) -> None:
+        """Let a starved backend run on every core. The cores the worker
+        does not use can be as busy as its own (another instance's engine
+        there, every core bound to an engine), and Linux shares a core
+        among groups of processes (sessions, cgroups) by each group's load
+        on it: alone on another group's busy core, a backend was measured
+        to get no CPU for 12-20 s, while beside its own engine its group
+        has its share (and the writer's nice 10 lets the pass win)."""
+        self._everywhere = True
+        every = range(os.cpu_count() or 1)
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), every)
+        logger.info(
+            "%s vineyard backend waited %.1f s for a CPU on the cores the "
+            "worker does not use; it may run on every core now",
+            self.name,
+            starved_s,
+        )
 
     def stalled(self, quiet_s: float | None = None) -> str | None:
         """For a caller that must not wait (the forward thread): why the

@@ -471,18 +471,17 @@ class _LookupServer:
         raise ValueError(f"unknown lookup request {request!r}")
 
 
-def _use_every_core() -> None:
-    """vLLM's CPU worker pins itself (and so its children) to its OpenMP
-    cores; the backend may run on every core, where the scheduler finds
-    room (beside its own engine's forward pass, the writer's nice 10 lets
-    the pass win). Not on the other cores only: Linux shares a core among
-    groups of processes (sessions, cgroups) by each group's load there, and
-    with two instances on two cores a backend alone on the other instance's
-    core got no CPU for 12-20 s at a time."""
+def _move_off_the_workers_cores() -> None:
+    """vLLM's CPU worker binds itself (and so its children) to its OpenMP
+    cores; run on the other cores, so the backend does not take CPU from
+    the forward pass, or on every core if there are no others. Where the
+    others are busy too the engine-side handle lets a starved backend run
+    on every core (``BackendProcess``)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        every = set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, (every - os.sched_getaffinity(0)) or every)
 
 
 def main(argv: list[str]) -> int:
@@ -501,7 +500,7 @@ def main(argv: list[str]) -> int:
     # The engine decides when we stop (by closing the socket); Ctrl-C in the
     # terminal must not kill us first and lose in-flight writes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _use_every_core()
+    _move_off_the_workers_cores()
     if args.nice:
         os.nice(args.nice)
 
