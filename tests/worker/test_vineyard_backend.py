@@ -378,6 +378,34 @@ def test_a_slow_writer_that_progresses_is_not_restarted(
         fs.close()
 
 
+class CpuHogs:
+    """Busy loops at the highest priority on ``core``, with the threads of
+    process ``pid`` moved there: starved as beside busy engines. Several,
+    so that the scheduler gives it no slice at all for seconds (one busy
+    loop still lets it run about every 2 s)."""
+
+    def __init__(self, pid: int, core: set[int], count: int = 4) -> None:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), core)
+
+        def on_that_core_first() -> None:
+            os.sched_setaffinity(0, core)
+            os.nice(-20)
+
+        self._hogs = [
+            subprocess.Popen(
+                [sys.executable, "-c", "while True: pass"],
+                preexec_fn=on_that_core_first,
+            )
+            for _ in range(count)
+        ]
+
+    def stop(self) -> None:
+        for hog in self._hogs:
+            hog.kill()
+            hog.wait()
+
+
 def test_a_writer_starved_of_cpu_is_not_restarted(
     make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -394,35 +422,14 @@ def test_a_writer_starved_of_cpu_is_not_restarted(
         pytest.skip("needs two cores: one to starve, one for the test")
     h = make_cache(backend_timeout_s=1.0)
     pid = h.pid("write")
-    core = {cores[-1]}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), core)
-
-    def on_that_core_first() -> None:
-        os.sched_setaffinity(0, core)
-        os.nice(-20)
-
-    # Several, so that the scheduler gives the writer no slice at all for
-    # seconds (one busy loop still lets it run about every 2 s).
-    hogs = [
-        subprocess.Popen(
-            [sys.executable, "-c", "while True: pass"], preexec_fn=on_that_core_first
-        )
-        for _ in range(4)
-    ]
-
-    def stop_hogs() -> None:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-
+    hogs = CpuHogs(pid, {cores[-1]})
     try:
-        threading.Timer(3.0, stop_hogs).start()
+        threading.Timer(3.0, hogs.stop).start()
         start = time.perf_counter()
         saved_sequence(h)  # asserts every whole chunk was written
         took_s = time.perf_counter() - start
     finally:
-        stop_hogs()
+        hogs.stop()
     counters = h.counters()
     assert took_s > 2.0, "not starved: the test would prove nothing"
     assert counters["backend_restarts"] == 0
@@ -447,28 +454,14 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
         os.sched_setaffinity(0, set(cores))
     pid = h.pid("write")
     assert caller_core not in os.sched_getaffinity(pid)
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), busy)
-
-    def on_that_core_first() -> None:
-        os.sched_setaffinity(0, busy)
-        os.nice(-20)
-
-    hogs = [
-        subprocess.Popen(
-            [sys.executable, "-c", "while True: pass"], preexec_fn=on_that_core_first
-        )
-        for _ in range(4)
-    ]
+    hogs = CpuHogs(pid, busy)  # until the write is done
     try:
         start = time.perf_counter()
         saved_sequence(h)  # asserts every whole chunk was written
         took_s = time.perf_counter() - start
         every_core = os.sched_getaffinity(pid)
     finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        hogs.stop()
     assert every_core > busy, every_core
     assert took_s < 15.0, took_s  # the hogs alone would starve it for good
     counters = h.counters()
