@@ -31,6 +31,7 @@ from tests.worker.vineyard_disk_testing import (
     Harness,
     chunk_files,
     open_cache,
+    tmpfs,
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage import sweeper as sweeper_module
@@ -589,6 +590,34 @@ def test_writes_store_what_fits_and_ask_for_room(tmp_path: Path) -> None:
     # Of four, three fit; the fourth asks for a pass.
     assert s.make_room([CHUNK_BYTES] * 4) == 3 and s.pass_asked
     assert s.requested_passes == 2
+
+
+def test_a_write_the_full_filesystem_refused_gets_room(tmp_path: Path) -> None:
+    """The free-space part of the budget is measured by the passes: a root
+    whose filesystem is full below the high-water mark (room left for one
+    chunk, a write of four needs more) takes no eviction from a periodic
+    pass or from the disk limit, so the writer's report of a refused write
+    asks for a pass that makes room for it."""
+    try:
+        with tmpfs(tmp_path / "fs", 64 * CHUNK_BYTES) as root:
+            now = time.time()
+            for i in range(16):
+                put_file(chunk_path(root, i), now - 1000 + i)
+            st = os.statvfs(root)
+            filler = st.f_bavail * st.f_frsize - 3 * CHUNK_BYTES
+            (root / "filler").write_bytes(b"\0" * filler)  # not the cache's
+            s = sweeper(root)  # a disk limit far above the filesystem
+            sweep_now(s)
+            assert s.take_stats()["evicted_chunks"] == 0  # below the mark
+            s.write_failed(4 * CHUNK_BYTES)
+            assert s.pass_asked
+            assert s.run_requested_pass()
+            assert s.take_stats()["evicted_chunks"] >= 2
+            st = os.statvfs(root)
+            assert st.f_bavail * st.f_frsize >= 4 * CHUNK_BYTES
+            assert not chunk_path(root, 0).exists() and chunk_path(root, 15).exists()
+    except PermissionError as e:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {e}")
 
 
 def test_writers_share_the_roots_usage(tmp_path: Path) -> None:

@@ -158,14 +158,18 @@ def chunk_file_bytes(files: ChunkFiles, num_chunks: int) -> int:
 
 def partial_chunk_files(files: ChunkFiles) -> list[str]:
     """Chunk files (not empty placeholders) whose size is not what their
-    header says a complete chunk has: a write cut short."""
+    header says a complete chunk has: a write cut short. (Files a
+    sweeper evicts during the walk are not.)"""
     bad = []
     for path in chunk_files(files.root):
-        size = os.path.getsize(path)
-        if size == 0:
+        try:
+            size = os.path.getsize(path)
+            if size == 0:
+                continue
+            with open(path, "rb") as f:
+                head = f.read(4)
+        except FileNotFoundError:
             continue
-        with open(path, "rb") as f:
-            head = f.read(4)
         n = int.from_bytes(head, "little") if len(head) == 4 else -1
         if size != files.file_bytes(n):
             bad.append(path)

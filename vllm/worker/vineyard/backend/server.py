@@ -199,6 +199,7 @@ class _VineyardServer:
             except (RuntimeError, OSError) as e:  # e.g. a dead mount: ENOTCONN
                 if self._sweeper is not None:
                     self._sweeper.wrote(0)
+                    self._sweeper.write_failed(sum(new))
                 release_failed_temp_files(os.path.join(self._spec.root, "__temp"))
                 self._stats["write_errors"] += 1
                 results.append((0, self._root_lost() or f"write failed ({e})"))
@@ -219,6 +220,8 @@ class _VineyardServer:
                     )
                     if error is not None:
                         self._stats["write_errors"] += 1
+                        if self._sweeper is not None:
+                            self._sweeper.write_failed(sum(new[stored // bpc :]))
             self._stats["bytes_written"] += stored * self._spec.entry_bytes
             results.append((stored, error))
         return UpdateReply(results, self.take_stats())

@@ -28,7 +28,10 @@ Between sweeps the writers hold the disk limit themselves
 (:meth:`RootSweeper.make_room`), by the usage they share in the root's
 ledger (:mod:`~vllm.worker.vineyard.storage.usage`): a write stores only the
 chunks that fit and asks this thread for a pass that makes room for the
-rest (skipped, counted); it never runs a pass itself.
+rest (skipped, counted); it never runs a pass itself. The free-space part
+of the budget is measured by the passes only: a write the filesystem
+refused (:meth:`RootSweeper.write_failed`) asks for a pass that makes room
+for it, as the filesystem may be full below the high-water mark.
 
 One pass per root at a time: a pass holds ``flock`` on the root's
 :data:`~vllm.worker.vineyard.storage.root_files.SWEEP_LOCK` (so that N
@@ -151,6 +154,7 @@ class RootSweeper:
         self.skipped_sweeps = 0  # another process held the root's lock
         self.requested_passes = 0  # passes make_room asked for
         self._need = 0  # bytes the writer asked room for (under _lock)
+        self._refused = False  # the filesystem refused a write (under _lock)
         self._wake = threading.Event()  # a pass is asked for, or stop
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -303,6 +307,16 @@ class RootSweeper:
             self._wake.set()
         return fit
 
+    def write_failed(self, need: int) -> None:
+        """The filesystem refused a write of ``need`` more bytes (it may be
+        full while the root is below the high-water mark of the budget the
+        last pass measured, as a write may be several chunks): asks the
+        sweeper's thread for a pass that makes room for them."""
+        with self._lock:
+            self._need = max(self._need, need)
+            self._refused = True
+        self._wake.set()
+
     def run_requested_pass(self) -> bool:
         """The pass a writer asked for (:meth:`make_room`), on the sweeper's
         thread: waits for another process's pass up to :data:`LOCK_WAIT_S`
@@ -311,13 +325,15 @@ class RootSweeper:
         self._wake.clear()
         with self._lock:
             need, self._need = self._need, 0
+            refused, self._refused = self._refused, False
         if self._lost():
             return False
         with self._pass_lock:
             fd, _ = self._lock_root(LOCK_WAIT_S)
             try:
-                # Another pass (one waited for above) may have made room.
-                if not self._usage.short_of(
+                # Another pass (one waited for above) may have made room;
+                # a refused write's room is the filesystem's to tell.
+                if not refused and not self._usage.short_of(
                     need, int(HIGH_WATER * self.limit_bytes), 2 * self.interval_s
                 ):
                     return False
