@@ -54,50 +54,56 @@ def _disk_stat_path(path: str) -> str | None:
     return stat_path if os.path.exists(stat_path) else None
 
 
-def _runnable(pid: int, main_state: bytes) -> bool:
-    """Whether a thread of ``pid`` waits for a CPU: the main thread, or
-    another one while the main thread sleeps (it may wait for the GIL that
-    a starved thread holds)."""
-    if main_state == b"R":
-        return True
-    if main_state != b"S":
-        return False  # stopped, or in uninterruptible I/O (see the disk)
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        with (
-            contextlib.suppress(OSError, IndexError),
-            open(f"/proc/{pid}/task/{tid}/stat", "rb") as f,
-        ):
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"R":
-                return True
-    return False
+@dataclass(frozen=True)
+class _Sample:
+    """What ``/proc`` tells of a backend process at one moment."""
+
+    #: What changes while it serves a request, however slowly: its main
+    #: thread's CPU time, bytes read and written, and context switches
+    #: (each blocking call that returns is one, so a filesystem that answers
+    #: slowly counts); while the thread waits for the disk, the I/O the disk
+    #: completes; while a thread waits for a CPU, always new. It stands
+    #: still while the thread is stopped, blocked in the kernel on a
+    #: filesystem that hangs, or waiting for something that does not come.
+    progress: tuple[int, ...]
+    ran_s: float  # the CPU time all its threads have had (the scheduler's)
+    #: Whether a thread waits for a CPU: the main thread, or another one
+    #: while the main thread sleeps (it may wait for the GIL that a starved
+    #: thread holds).
+    runnable: bool
 
 
-def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] | None:
-    """What changes while process ``pid`` serves a request, however slowly:
-    its main thread's CPU time, bytes read and written, and context
-    switches (each blocking call that returns is one, so a filesystem that
-    answers slowly counts); while the thread waits for the disk, the I/O
-    the disk completes (``disk_stat``); while it or another of its threads
-    waits for a CPU, always new. It stands still while the thread is
-    stopped, blocked in the kernel on a filesystem that hangs, or waiting
-    for something that does not come. ``None`` where ``/proc`` does not
-    tell."""
+def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
+    """One reading of process ``pid`` (``disk_stat``: the counters of the
+    block device its root is on), each thread's files read once: the
+    forward thread takes it every step while a request is in flight.
+    ``None`` where ``/proc`` does not tell."""
     if pid is None:
         return None
     task = f"/proc/{pid}/task/{pid}"
     try:
+        tids = os.listdir(f"/proc/{pid}/task")
         with open(f"{task}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
+        state = fields[0]
+        # A stopped thread or one in uninterruptible I/O (see the disk) is
+        # not waiting for a CPU, whatever its other threads do.
+        runnable = state == b"R"
+        ran_ns = 0
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    ran_ns += int(f.read().split()[0])
+                if state == b"S" and not runnable and tid != str(pid):
+                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                        thread_state = f.read().rsplit(b")", 1)[1].split()[0]
+                    runnable = thread_state == b"R"
         disk: tuple[int, ...] = ()
-        if _runnable(pid, fields[0]):
-            # Runnable, waiting for a CPU that busy engines keep: starved,
-            # which is slow, not hung (an always-new value: progress).
+        if runnable:
+            # Waiting for a CPU that busy engines keep: starved, which is
+            # slow, not hung (an always-new value: progress).
             disk = (time.monotonic_ns(),)
-        elif disk_stat is not None and fields[0] == b"D":
+        elif disk_stat is not None and state == b"D":
             # Waiting for the disk (fsync, writeback): its progress counts.
             with open(disk_stat, "rb") as f:
                 counts = f.read().split()
@@ -106,7 +112,7 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
             status = dict(line.split(b":", 1) for line in f.read().splitlines())
         with open(f"{task}/io", "rb") as f:
             io = dict(line.split(b":", 1) for line in f.read().splitlines())
-        return (
+        progress = (
             int(fields[11]),  # utime (field 14; the state is field 3)
             int(fields[12]),  # stime
             int(status[b"voluntary_ctxt_switches"]),
@@ -117,28 +123,7 @@ def _progress(pid: int | None, disk_stat: str | None = None) -> tuple[int, ...] 
         )
     except (OSError, ValueError, KeyError, IndexError):
         return None
-
-
-def _run_s(pid: int | None) -> tuple[float, bool] | None:
-    """The CPU time the threads of ``pid`` have had, in all (the
-    scheduler's own count), and whether one of them is runnable now (on a
-    CPU or waiting for one); ``None`` where ``/proc`` does not tell."""
-    if pid is None:
-        return None
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    ran_ns = 0
-    for tid in tids:
-        with (
-            contextlib.suppress(OSError, ValueError, IndexError),
-            open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f,
-        ):
-            ran_ns += int(f.read().split()[0])
-    return ran_ns / 1e9, _runnable(pid, state)
+    return _Sample(progress, ran_ns / 1e9, runnable)
 
 
 @dataclass
@@ -418,10 +403,13 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = request.op
-            now, pid = time.monotonic(), self._pid()
-            run = _run_s(pid)
+            now = time.monotonic()
+            seen = _sample(self._pid(), self._disk_stat)
             self._watch = _Watch(
-                _progress(pid, self._disk_stat), now, now, run[0] if run else None
+                seen.progress if seen else None,
+                now,
+                now,
+                seen.ran_s if seen else None,
             )
         finally:
             self._lock.release()
@@ -436,17 +424,16 @@ class BackendProcess:
         for a CPU. A process starved of CPU or waiting for a busy disk is
         slow, not hung: it goes on."""
         watch, now, pid = self._watch, time.monotonic(), self._pid()
-        seen = _progress(pid, self._disk_stat)
-        if seen is not None and seen != watch.mark:
-            watch.mark, watch.quiet_since = seen, now
-        run, elapsed_s = _run_s(pid), now - watch.checked_at
-        had_s = elapsed_s
-        if run is not None and watch.ran_s is not None and run[1]:
+        seen = _sample(pid, self._disk_stat)
+        if seen is not None and seen.progress != watch.mark:
+            watch.mark, watch.quiet_since = seen.progress, now
+        elapsed_s = had_s = now - watch.checked_at
+        if seen is not None and watch.ran_s is not None and seen.runnable:
             # Runnable: the CPU it got, not the time it waited for one.
-            had_s = min(had_s, max(0.0, run[0] - watch.ran_s))
+            had_s = min(had_s, max(0.0, seen.ran_s - watch.ran_s))
         watch.busy_s += had_s
         watch.starved_s += elapsed_s - had_s
-        watch.checked_at, watch.ran_s = now, (run[0] if run else None)
+        watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
         if watch.starved_s >= STARVED_S and pid is not None and not self._everywhere:
             self._run_everywhere(pid, watch.starved_s)
         if now - watch.quiet_since >= quiet_s:
