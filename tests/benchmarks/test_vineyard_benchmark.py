@@ -79,6 +79,9 @@ def test_core_figures_are_complete(core: dict[str, Any]) -> None:
         assert r[name]["bit_exact"], f"{name}: loaded KV differs from saved"
     assert r["writev_gbps"] > 0 and r["readv_gbps"] > 0
     assert r["save"]["save_ms"] > 0 and r["save"]["memcpy_ms"] > 0
+    run = r["save_run"]
+    assert run["copied"] + run["skipped"] == run["saves"] and run["copied"] > 0
+    assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["max_ms"]
     summary = core["summary"]
     for key in ("write_gbps", "read_gbps", "read_keyed_gbps", "readv_vs_read",
                 "save_vs_memcpy"):  # fmt: skip
@@ -86,6 +89,7 @@ def test_core_figures_are_complete(core: dict[str, Any]) -> None:
     assert set(summary["targets"]) == {
         "read_within_1.3x_of_readv",
         "save_within_1.2x_of_memcpy",
+        "save_p99_within_1.2x_of_memcpy",
         "lookups_read_no_kv",
     }
 
