@@ -163,15 +163,18 @@ def test_a_write_error_on_every_write(small_fs: Path) -> None:
         assert os.path.ismount(small_fs)
 
 
-def open_files_under(pid: int, root: Path) -> list[str]:
-    """The files process ``pid`` holds open under ``root``."""
+def open_temp_files_under(pid: int, root: Path) -> list[str]:
+    """The files in vineyard's temp folders under ``root`` that process
+    ``pid`` holds open (a sweep's lock and the folders it walks are not
+    leaks)."""
     found = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(str(root) + os.sep):
+        inside = target.removeprefix(str(root) + os.sep)
+        if inside != target and TEMP_DIR in Path(inside).parts[:-1]:
             found.append(target)
     return found
 
@@ -180,8 +183,8 @@ def test_failed_writes_release_their_files(small_fs: Path) -> None:
     """Vineyard leaves the temp file of a failed chunk write open (and so
     its partial bytes allocated, even once deleted): on a disk that stays
     full the writer would run out of descriptors. After many failed writes
-    the writer holds no file under the root open and no partial temp file
-    takes space."""
+    the writer holds no temp file open and no partial temp file takes
+    space."""
     h = open_cache(small_fs, sweep_interval_s=3600.0)
     try:
         pid = h.cache.backend_pids()["write"]
@@ -189,7 +192,7 @@ def test_failed_writes_release_their_files(small_fs: Path) -> None:
         for tokens in prefixes(60, seed=30):
             h.write(tokens, max_saves=1)
         assert h.counters()["write_errors"] >= 10
-        assert open_files_under(pid, small_fs) == []
+        assert open_temp_files_under(pid, small_fs) == []
         temp_bytes = 0
         for dirpath, _, filenames in os.walk(small_fs):
             if TEMP_DIR in Path(dirpath).parts:

@@ -597,7 +597,10 @@ def test_a_write_the_full_filesystem_refused_gets_room(tmp_path: Path) -> None:
     whose filesystem is full below the high-water mark (room left for one
     chunk, a write of four needs more) takes no eviction from a periodic
     pass or from the disk limit, so the writer's report of a refused write
-    asks for a pass that makes room for it."""
+    asks for a pass that makes room for it (not more often than
+    :data:`REFUSED_PASS_GAP_S`: a disk that stays full is not walked after
+    every write)."""
+    gap = mock.patch.object(sweeper_module, "REFUSED_PASS_GAP_S", 0.2)
     try:
         with tmpfs(tmp_path / "fs", 64 * CHUNK_BYTES) as root:
             now = time.time()
@@ -609,9 +612,15 @@ def test_a_write_the_full_filesystem_refused_gets_room(tmp_path: Path) -> None:
             s = sweeper(root)  # a disk limit far above the filesystem
             sweep_now(s)
             assert s.take_stats()["evicted_chunks"] == 0  # below the mark
-            s.write_failed(4 * CHUNK_BYTES)
-            assert s.pass_asked
-            assert s.run_requested_pass()
+            with gap:
+                s.write_failed(4 * CHUNK_BYTES)
+                assert s.pass_asked
+                assert s.run_requested_pass()
+                s.write_failed(4 * CHUNK_BYTES)
+                assert not s.pass_asked  # one asked for just now
+                time.sleep(0.3)
+                s.write_failed(4 * CHUNK_BYTES)
+                assert s.pass_asked
             assert s.take_stats()["evicted_chunks"] >= 2
             st = os.statvfs(root)
             assert st.f_bavail * st.f_frsize >= 4 * CHUNK_BYTES

@@ -61,6 +61,7 @@ Imports neither vLLM nor torch (it runs in the backend process).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -107,6 +108,9 @@ _LOCK_POLL_S = 0.05
 #: A process that found the lock held at every sweep for this many
 #: intervals (a lock held that long) waits for it, then sweeps regardless.
 MAX_SKIPPED_INTERVALS = 10
+#: Writes the filesystem refused ask for a pass at most this often (a disk
+#: that stays full would otherwise have the root walked after every write).
+REFUSED_PASS_GAP_S = 5.0
 #: A new chunk file's space on disk is estimated in blocks of this size
 #: (until the next scan counts it exactly).
 DISK_BLOCK = 4096
@@ -155,6 +159,7 @@ class RootSweeper:
         self.requested_passes = 0  # passes make_room asked for
         self._need = 0  # bytes the writer asked room for (under _lock)
         self._refused = False  # the filesystem refused a write (under _lock)
+        self._refused_at = -math.inf  # when a refused write last asked
         self._wake = threading.Event()  # a pass is asked for, or stop
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -311,7 +316,13 @@ class RootSweeper:
         """The filesystem refused a write of ``need`` more bytes (it may be
         full while the root is below the high-water mark of the budget the
         last pass measured, as a write may be several chunks): asks the
-        sweeper's thread for a pass that makes room for them."""
+        sweeper's thread for a pass that makes room for them, unless a pass
+        refused write asked for one within :data:`REFUSED_PASS_GAP_S` (or
+        the interval, if shorter)."""
+        now = time.monotonic()
+        if now - self._refused_at < min(REFUSED_PASS_GAP_S, self.interval_s):
+            return
+        self._refused_at = now
         with self._lock:
             self._need = max(self._need, need)
             self._refused = True
