@@ -267,12 +267,14 @@ class SlicedPool(TestingPool):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.nice_by_thread: dict[str, int] = {}
+        self.cores_by_thread: dict[str, set[int]] = {}
         super().__init__(*args, **kwargs)
 
     def _back_slice(self, buffer_id: int, index: int) -> None:
         name = threading.current_thread().name
         nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         self.nice_by_thread.setdefault(name, nice)
+        self.cores_by_thread.setdefault(name, os.sched_getaffinity(0))
         super()._back_slice(buffer_id, index)
 
 
@@ -302,12 +304,33 @@ def test_a_burst_takes_over_buffers_half_backed() -> None:
         mem.close()
 
 
-def test_the_background_thread_backs_every_buffer_at_low_priority() -> None:
+@pytest.fixture
+def on_one_core() -> Iterator[int]:
+    """This thread bound to one core, as vLLM's CPU worker binds its
+    forward thread (threads it starts inherit that); the core's number."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two cores")
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_the_background_thread_backs_every_buffer_off_the_forward_core(
+    on_one_core: int,
+) -> None:
+    """At the lowest priority, and on the cores the forward thread does
+    not use: an engine's startup keeps its own core busy."""
     mem = StagingMemory(4, 16, 4096, torch.float32)
     pool = SlicedPool(mem, 1, 4, True)
     try:
         assert wait_until(lambda: pool.num_created == 4, 30.0)
         assert pool.nice_by_thread["vineyard-pool-backer"] == 19
+        cores = pool.cores_by_thread["vineyard-pool-backer"]
+        assert cores and on_one_core not in cores
         assert pool.num_free == 4
     finally:
         pool.close()

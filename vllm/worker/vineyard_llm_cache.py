@@ -71,10 +71,11 @@ class _PinnedTensorPool:
     rest, up to ``max_buffers``, by a background thread right after
     (``back_ahead``): backing a buffer's pages costs hundreds of ms for a
     large one, which a burst must not pay on the forward thread. That
-    thread runs at the lowest priority and backs a slice at a time: it
-    shares the engine's cores, and at the engine's priority it took half of
-    the forward thread's core for seconds after startup (a fresh engine's
-    first hits ran their forward pass 2x slower). A :meth:`get` that comes
+    thread runs at the lowest priority, on the cores the forward thread
+    does not use where there are any, and backs a slice at a time: on the
+    engine's core at the engine's priority it took half of the forward
+    thread's core for seconds after startup (a fresh engine's first hits
+    ran their forward pass 2x slower). A :meth:`get` that comes
     before the thread got to a buffer backs what is left of one itself
     (waiting at most for the slice the thread is on), as a burst at startup
     needs the buffer (skipping it would lose a save that backing keeps).
@@ -181,6 +182,13 @@ class _PinnedTensorPool:
     def _back_the_rest(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            # Off the forward pass's cores where there are others (as the
+            # backends): the engine's startup keeps its own core busy, and
+            # a first burst must find the buffers backed.
+            every = set(range(os.cpu_count() or 1))
+            others = every - os.sched_getaffinity(0)  # 0: this thread
+            if others:
+                os.sched_setaffinity(0, others)
         while True:
             with self._lock:
                 if self._closing:
