@@ -35,11 +35,20 @@ LAYERS = {
     "config": 0,
     "metrics": 0,
     "log_limiter": 0,
+    "cores": 0,
     "launch": 0,
     "package": 0,  # its __init__ (empty)
 }
 #: Folders that run without vLLM and torch.
-NO_VLLM_NO_TORCH = ("storage", "backend", "cli", "config", "metrics", "log_limiter")
+NO_VLLM_NO_TORCH = (
+    "storage",
+    "backend",
+    "cli",
+    "config",
+    "metrics",
+    "log_limiter",
+    "cores",
+)
 
 
 def module_name(path: Path) -> str:

@@ -36,6 +36,7 @@ from vllm.worker.vineyard.backend.protocol import (
     UpdateRequest,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import write_manifest
@@ -182,13 +183,9 @@ class _PinnedTensorPool:
     def _back_the_rest(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            # Off the forward pass's cores where there are others (as the
-            # backends): the engine's startup keeps its own core busy, and
-            # a first burst must find the buffers backed.
-            every = set(range(os.cpu_count() or 1))
-            others = every - os.sched_getaffinity(0)  # 0: this thread
-            if others:
-                os.sched_setaffinity(0, others)
+        # As the backends: the engine's startup keeps its own core busy, and
+        # a first burst must find the buffers backed.
+        move_off_the_workers_cores()
         while True:
             with self._lock:
                 if self._closing:

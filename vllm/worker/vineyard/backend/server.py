@@ -56,6 +56,7 @@ from vllm.worker.vineyard.backend.write_errors import (
     release_failed_temp_files,
     write_error_reason,
 )
+from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage import chunks, sweeper
 from vllm.worker.vineyard.storage.lookup import count_cached_chunks
@@ -474,19 +475,6 @@ class _LookupServer:
         raise ValueError(f"unknown lookup request {request!r}")
 
 
-def _move_off_the_workers_cores() -> None:
-    """vLLM's CPU worker binds itself (and so its children) to its OpenMP
-    cores; run on the other cores, so the backend does not take CPU from
-    the forward pass, or on every core if there are no others. Where the
-    others are busy too the engine-side handle lets a starved backend run
-    on every core (``BackendProcess``)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    with contextlib.suppress(OSError):
-        every = set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, (every - os.sched_getaffinity(0)) or every)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--conn-fd", type=int, required=True)
@@ -503,7 +491,9 @@ def main(argv: list[str]) -> int:
     # The engine decides when we stop (by closing the socket); Ctrl-C in the
     # terminal must not kill us first and lose in-flight writes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _move_off_the_workers_cores()
+    # Where the others are busy too the engine-side handle lets a starved
+    # backend run on every core (``BackendProcess``).
+    move_off_the_workers_cores()
     if args.nice:
         os.nice(args.nice)
 

@@ -316,7 +316,7 @@ class RootSweeper:
         """The filesystem refused a write of ``need`` more bytes (it may be
         full while the root is below the high-water mark of the budget the
         last pass measured, as a write may be several chunks): asks the
-        sweeper's thread for a pass that makes room for them, unless a pass
+        sweeper's thread for a pass that makes room for them, unless a
         refused write asked for one within :data:`REFUSED_PASS_GAP_S` (or
         the interval, if shorter)."""
         now = time.monotonic()
