@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
+from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier, block_runs
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16
@@ -52,8 +52,13 @@ def entry_of(kvs: list[torch.Tensor], block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["one allocation", "layers apart", "block second"])
 @pytest.mark.parametrize("staged, scratch_entries", [(False, 0), (True, 2), (True, 64)])
+@pytest.mark.parametrize(
+    "targets",
+    [[1, 3, 4, 12, 14], [10, 11, 12, 13, 14], [6, 5, 4, 3, 2]],
+    ids=["a run of two", "one run", "descending"],
+)
 def test_gather_then_scatter_round_trip(
-    layout: str, staged: bool, scratch_entries: int
+    layout: str, staged: bool, scratch_entries: int, targets: list[int]
 ) -> None:
     kvs = kv_caches(layout)
     payload = NUM_LAYERS * block_bytes() // 4
@@ -65,14 +70,13 @@ def test_gather_then_scatter_round_trip(
         staged=staged,
         scratch_bytes=scratch_entries * width * 4,
     )
-    blocks = [9, 2, 15, 0, 7]
+    blocks = [9, 2, 15, 0, 7] if targets[0] != 10 else [5, 6, 7, 8, 0]
     entries = torch.full((len(blocks), width), -1.0)
     assert copier.gather(blocks, entries) is None  # no event off CUDA
     for row, block in enumerate(blocks):
         assert torch.equal(entries[row, :payload], entry_of(kvs, block))
 
     # Back into other blocks of a cache that holds something else.
-    targets = [1, 3, 4, 12, 14]
     before = [entry_of(kvs, b) for b in range(NUM_BLOCKS)]
     copier.scatter(entries, targets)
     for block in range(NUM_BLOCKS):
@@ -97,3 +101,10 @@ def test_the_staged_path_copies_whole_entries_in_groups() -> None:
     assert groups == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert copier.gather([], entries[:0]) is None
     assert copier.scatter(entries[:0], []) is None
+
+
+def test_block_runs_split_ids_into_consecutive_runs() -> None:
+    assert block_runs([]) == []
+    assert block_runs([7]) == [(0, 7, 1)]
+    assert block_runs([1, 3, 4, 5, 12, 13]) == [(0, 1, 1), (1, 3, 3), (4, 12, 2)]
+    assert block_runs([6, 5, 4]) == [(0, 6, 1), (1, 5, 1), (2, 4, 1)]
