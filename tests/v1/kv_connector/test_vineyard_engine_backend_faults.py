@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.vineyard_engine_testing import (
+    BLOCK_SIZE,
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,
@@ -19,6 +20,11 @@ from tests.vineyard_engine_testing import (
     flip_a_payload_byte,
     run_engine,
     standard_prompts,
+)
+from vllm.worker.vineyard.storage.chunks import (
+    ChunkFiles,
+    extend_digests,
+    synthetic_ids,
 )
 from vllm.worker.vineyard.storage.namespaces import MANIFEST
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
@@ -207,3 +213,70 @@ def test_corrupt_chunks_are_recomputed_and_written_again(
     assert second.delta(2, "loaded_tokens") > 0
     for round_ in second.rounds:
         assert round_.outputs == no_cache
+
+
+#: The reads of one load: LLM_KWARGS' engines read segments of 4 blocks
+#: (a quarter of a read buffer of 1024 tokens), two buffers in turn.
+SEGMENT_BLOCKS = 1024 // BLOCK_SIZE // 4
+BAD_BLOCK = 3 * SEGMENT_BLOCKS + 1  # inside the fourth segment
+
+
+def _chunk_file_of(root: Path, prompt: list[int], num_blocks: int) -> Path:
+    """The chunk file of ``prompt``'s first ``num_blocks`` blocks (the
+    default chunk: one block) in the one namespace under ``root``."""
+    ids = synthetic_ids(extend_digests([], prompt, BLOCK_SIZE))[:num_blocks]
+    paths = [
+        Path(ChunkFiles(str(namespace), 1, 0).path(ids))
+        for namespace in root.iterdir()
+        if namespace.is_dir()
+    ]
+    (path,) = [p for p in paths if p.is_file()]
+    return path
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["checksum", "keyed"])
+def test_a_corrupt_chunk_among_segments_in_flight_is_caught(
+    toy_model: str, module_dir: Path, no_cache: list[list[int]], keyed: bool
+) -> None:
+    """A load reads a long prompt in segments, two read buffers in turn,
+    the reader verifying one segment while the forward thread copies the
+    one before. One bit-rotted chunk inside the fourth segment stops the
+    load exactly there: the three segments before it and the good block of
+    its own segment are loaded (verified), nothing from the bad block on,
+    with the checksum and with a key. vLLM recomputes the rest and the
+    outputs equal a run without the cache, and the chunk is written again."""
+    workdir = module_dir / f"corrupt-in-flight-{keyed}"
+    root = workdir / "cache"
+    extra = {}
+    if keyed:
+        key = workdir / "auth.key"
+        workdir.mkdir(parents=True)
+        key.write_text("a secret of at least sixteen bytes\n")
+        extra["VINEYARD_CACHE_AUTH_KEY_FILE"] = str(key)
+    env = engine_env(root, extra=extra)
+    prompts = standard_prompts()
+    unique = prompts[2]  # shares no block with the others
+    assert cacheable_prefix(len(unique)) // BLOCK_SIZE > 4 * SEGMENT_BLOCKS
+
+    first = run_engine(
+        toy_model, [{"prompts": prompts}], env, workdir / "writer",
+        llm_kwargs=LLM_KWARGS,
+    )  # fmt: skip
+    assert first.last.settled
+    bad = _chunk_file_of(root, unique, BAD_BLOCK + 1)
+    flip_a_payload_byte(bad)
+    corrupted = bad.read_bytes()
+
+    second = run_engine(
+        toy_model, [{"prompts": prompts}], env, workdir / "reader",
+        llm_kwargs=LLM_KWARGS,
+    )  # fmt: skip
+    hit = second.rounds[0]
+    assert hit.outputs == no_cache
+    assert hit.counter("corrupt_chunks") == 1
+    assert hit.counter("load_errors") == 1
+    whole = cacheable_prefix(len(prompts[0])) + cacheable_prefix(len(prompts[1]))
+    assert hit.counter("loaded_tokens") == whole + BAD_BLOCK * BLOCK_SIZE
+    # The bad file was removed, and the recomputed blocks written again.
+    assert hit.settled
+    assert bad.read_bytes() != corrupted
