@@ -112,6 +112,33 @@ def test_core_lookups_read_no_kv(core: dict[str, Any]) -> None:
     assert core["summary"]["targets"]["lookups_read_no_kv"]
 
 
+def test_core_chunk_sweep_trades_files_for_round_trips(tmp_path: Path) -> None:
+    """The chunk-size sweep loads every size back exactly and finds the
+    whole prompt, and on the slow root (a round trip per ``stat``, ``open``,
+    first ``read`` and ``fsync``) four times fewer files make the write and
+    the lookup faster: the round trips, not the bytes, bound them there."""
+    out = tmp_path / "chunks.json"
+    stdout = run_script(
+        "benchmark_core.py", "--tiny", "--tokens", "128", "--chunk-sweep", "16,64",
+        "--json", str(out),
+    )  # fmt: skip
+    assert "Chunk sizes" in stdout
+    sweep = json.loads(out.read_text())["chunk_sweep"]
+    roots = ["disk"] + (["slow fs"] if isinstance(sweep["slow fs"], list) else [])
+    for root in roots:
+        rows = {r["chunk_tokens"]: r for r in sweep[root]}
+        assert set(rows) == {16, 64}
+        assert [rows[c]["files_per_prompt"] for c in (16, 64)] == [8, 2]
+        for r in rows.values():
+            assert r["bit_exact"] and r["lookup_hit_tokens"] == 128, (root, r)
+            assert r["write_gbps"] > 0 and r["read_gbps"] > 0
+    if "slow fs" in roots:
+        slow = {r["chunk_tokens"]: r for r in sweep["slow fs"]}
+        # 8 files against 2, each costing several 20 ms round trips.
+        assert slow[64]["write_ms"] < slow[16]["write_ms"]
+        assert slow[64]["lookup_ms"] < slow[16]["lookup_ms"]
+
+
 def test_engine_configs_side_by_side(engine: tuple[dict[str, Any], Path]) -> None:
     """No cache, sync, async and the ExampleConnector peer all ran the same
     unique prompts and generated the same tokens; throughput is positive
