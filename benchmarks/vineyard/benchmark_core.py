@@ -127,6 +127,7 @@ class Bench:
             cpu_mem_limit_gb=8.0,
             max_inflight_tasks=max_inflight_tasks,
             backend_timeout_s=120.0,
+            metrics_enabled=True,  # the load's phases (read, verify, copy)
         )
         self.cache = TestingCache(
             self.config,
@@ -137,6 +138,9 @@ class Bench:
         )
         self.prompt_bytes = self.blocks * self.layout.entry_bytes
         self._seed = 0
+        #: The last load's phases (seconds): the reader's read and verify,
+        #: the copy into the KV blocks, the whole load.
+        self.load_phases: dict[str, float] = {}
 
     def new_prompt(self) -> list[bytes]:
         """Digests of a prompt no one has written yet."""
@@ -174,11 +178,17 @@ class Bench:
     def load(self, digests: list[bytes]) -> float:
         n = self.size.num_tokens
         dst = list(range(self.blocks, 2 * self.blocks))
+        self.cache.metrics.take()
         start = time.perf_counter()
         loaded = self.cache.load(digests, 0, n, dst)
         elapsed = time.perf_counter() - start
         if loaded != n:
             raise RuntimeError(f"loaded {loaded} of {n} tokens")
+        seen = self.cache.metrics.take()
+        self.load_phases = {
+            phase: sum(seen[f"load_{phase}_s"]) for phase in ("read", "verify", "copy")
+        }
+        self.load_phases["load"] = elapsed
         return elapsed
 
     def loaded_exact(self) -> bool:
@@ -253,11 +263,19 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
                 b.save(p, f"w{i}") for i, p in enumerate(prompts)
             )
             b.load(prompts[0])  # warm: the page cache, the read path
-            read_s = statistics.median(b.load(prompts[0]) for _ in range(size.iters))
+            phases = []
+            for _ in range(size.iters):
+                b.load(prompts[0])
+                phases.append(b.load_phases)
+            read_s = statistics.median(p["load"] for p in phases)
             out[name] = {
                 "write_gbps": b.prompt_bytes / write_s / GB,
                 "read_gbps": b.prompt_bytes / read_s / GB,
                 "bit_exact": b.loaded_exact(),
+                # Medians of each phase (ms): what bounds the read.
+                "phases_ms": {
+                    k: 1e3 * statistics.median(p[k] for p in phases) for k in phases[0]
+                },
             }
             if name == "checksum":
                 out["bytes"] = b.prompt_bytes
@@ -269,12 +287,21 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
                 w, r = plain_files(b, os.path.join(workdir, "plain"), size.iters)
                 out["writev_gbps"] = b.prompt_bytes / w / GB
                 out["readv_gbps"] = b.prompt_bytes / r / GB
+                out["readv_ms"] = 1e3 * r
         finally:
             b.close()
     c = out["checksum"]
     out["write_vs_writev"] = c["write_gbps"] / out["writev_gbps"]
     out["readv_vs_read"] = out["readv_gbps"] / c["read_gbps"]
     out["mac_vs_checksum_read"] = out["keyed"]["read_gbps"] / c["read_gbps"]
+    # Each phase's speed as a share of readv's: vineyard's read alone, and
+    # the read with the verification after it (one reader, one core).
+    for name in ("checksum", "keyed"):
+        ph = out[name]["phases_ms"]
+        out[name]["read_alone_vs_readv"] = out["readv_ms"] / ph["read"]
+        out[name]["read_verify_vs_readv"] = out["readv_ms"] / (
+            ph["read"] + ph["verify"]
+        )
     return out
 
 
@@ -557,6 +584,21 @@ def print_report(size: Size, repeats: list[dict[str, Any]]) -> None:
         print(" | ".join(row))
     print("(GB/s; read = load through the cache, checksum verified; "
           "read+MAC = with auth_key_file)")  # fmt: skip
+    print(
+        "\nWhere a load's time goes (ms, median; the reader reads, then "
+        "verifies; the copy into the KV blocks overlaps the next read; "
+        "x = speed as a share of readv's):"
+    )
+    print("repeat | check | read | verify | copy | load | readv | "
+          "read alone/readv | read+verify/readv | load/readv")  # fmt: skip
+    for i, r in enumerate(repeats):
+        for name in ("checksum", "keyed"):
+            ph, m = r[name]["phases_ms"], r[name]
+            print(f"{i + 1} | {name} | {ph['read']:.1f} | {ph['verify']:.1f} | "
+                  f"{ph['copy']:.1f} | {ph['load']:.1f} | {r['readv_ms']:.1f} | "
+                  f"{m['read_alone_vs_readv']:.2f}x | "
+                  f"{m['read_verify_vs_readv']:.2f}x | "
+                  f"{r['readv_ms'] / ph['load']:.2f}x")  # fmt: skip
     print(
         f"\nForward thread per save over a run of {s.run_saves} steps, one every "
         f"{1e3 * s.run_gap_s:.0f} ms, on a fresh cache from {s.run_startup_s:g} s "

@@ -77,6 +77,11 @@ def test_core_figures_are_complete(core: dict[str, Any]) -> None:
     for name in ("checksum", "keyed"):
         assert r[name]["write_gbps"] > 0 and r[name]["read_gbps"] > 0
         assert r[name]["bit_exact"], f"{name}: loaded KV differs from saved"
+        # The load's phases were timed, and none outlasts the whole load.
+        phases = r[name]["phases_ms"]
+        assert phases["read"] > 0 and phases["verify"] > 0 and phases["copy"] > 0
+        assert max(phases["read"], phases["copy"]) <= phases["load"], phases
+        assert 0 < r[name]["read_verify_vs_readv"] < r[name]["read_alone_vs_readv"]
     assert r["writev_gbps"] > 0 and r["readv_gbps"] > 0
     assert r["save"]["save_ms"] > 0 and r["save"]["memcpy_ms"] > 0
     run = r["save_run"]
