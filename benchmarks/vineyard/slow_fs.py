@@ -213,6 +213,13 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         os.rename(self._path(old), self._path(new))
         return 0
 
+    def link(self, target: str, source: str) -> int:
+        # A new name ``target`` for the file ``source`` (the cache links a
+        # settings file into place where it must not replace one).
+        self._gate(slow=False)
+        os.link(self._path(source), self._path(target))
+        return 0
+
     def chmod(self, path: str, mode: int) -> int:
         self._gate(slow=False)
         os.chmod(self._path(path), mode)

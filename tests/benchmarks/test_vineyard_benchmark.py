@@ -254,6 +254,10 @@ def test_slow_fs_adds_latency_where_a_remote_filesystem_has_it(
             fsync_ms = took_ms(os.fsync, fd)
         finally:
             os.close(fd)
+        # A hard link, as the cache makes to put its root settings in place
+        # without replacing another instance's.
+        os.link(path, fs.mount / "linked")
+        assert (fs.mount / "linked").read_bytes() == path.read_bytes()
     finally:
         fs.close()
     fast_ms = 50.0  # an unloaded local call is well under this

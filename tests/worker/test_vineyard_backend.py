@@ -12,6 +12,7 @@ reader shows in loads only.
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import signal
 import subprocess
@@ -467,3 +468,30 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
     counters = h.counters()
     assert counters["backend_restarts"] == 0
     assert counters["updates_failed"] == 0
+
+
+def _resident_kib(pid: int, size: int) -> list[int]:
+    """The resident KiB of each of ``pid``'s mappings of a staging memfd
+    of ``size`` bytes."""
+    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE  # mapped in whole pages
+    resident, current = [], False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                current = "memfd:vineyard-cache" in line and end - start == size
+            elif current and fields[0] == "Rss:":
+                resident.append(int(fields[1]))
+    return resident
+
+
+def test_the_reader_maps_its_buffers_before_the_first_load(make_cache: CacheFactory):
+    """The engine backs the read buffers at startup, and the reader maps
+    them at once too: a first load that faulted in the reader's pages ran
+    1.3x slower than the next ones."""
+    h = make_cache()
+    memory = h.cache._read_buffers.memory
+    size = memory.count * memory.buffer_bytes
+    (resident,) = _resident_kib(h.pid("read"), size)
+    assert resident * 1024 >= size, (resident, size)

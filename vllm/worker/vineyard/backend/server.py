@@ -504,7 +504,15 @@ def main(argv: list[str]) -> int:
         if spec.role == "lookup":
             server = _LookupServer(spec)
         else:
-            shm = mmap.mmap(args.shm_fd, spec.num_buffers * spec.buffer_bytes)
+            # The reader maps its buffers (which the engine has backed) at
+            # once: faulting them in during the first load made it 1.3x
+            # slower. The writer's (the update pool) are backed as needed.
+            populate = 0 if spec.sweep else getattr(mmap, "MAP_POPULATE", 0)
+            shm = mmap.mmap(
+                args.shm_fd,
+                spec.num_buffers * spec.buffer_bytes,
+                flags=mmap.MAP_SHARED | populate,
+            )
             server = _VineyardServer(spec, shm)
     except Exception as e:  # report why we cannot serve, then exit
         conn.send(("error", f"{type(e).__name__}: {e}"))
