@@ -207,7 +207,11 @@ def test_a_load_fills_only_the_blocks_vllm_allocated(
     # vLLM left out every block before the last window of the hit.
     freed = (hit - WINDOW + 1) // BLOCK_SIZE
     assert delta.block_ids[:freed] == [NULL_BLOCK_ID] * freed
-    engine.run_until(lambda r: req.request_id in (r.kv_output.finished_recving or ()))
+    if req.request_id not in (record.kv_output.finished_recving or ()):
+        # (A load ready in time finishes in the step that starts it.)
+        engine.run_until(
+            lambda r: req.request_id in (r.kv_output.finished_recving or ())
+        )
     assert not worker.kv[:, NULL_BLOCK_ID].any(), "the null block was written"
     loaded_blocks = delta.block_ids[freed : hit // BLOCK_SIZE]
     assert torch.equal(
