@@ -13,6 +13,7 @@ import random
 import time
 from pathlib import Path
 
+from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import make_tokens
 from tests.worker.vineyard_disk_testing import CHUNK_SIZE, open_cache
 from tests.worker.vineyard_glusterfs_testing import glusterfs_mounts
@@ -67,7 +68,9 @@ def test_two_hosts_share_one_root_on_glusterfs(tmp_path: Path) -> None:
                 assert not sweeper_b.sweep()
             finally:
                 os.close(fd)
-            assert sweeper_b.sweep()
+            # Free again once A's unlock reaches the bricks (GlusterFS
+            # releases a closed file's lock asynchronously).
+            assert wait_until(sweeper_b.sweep)
 
             # LRU by use across hosts: every chunk last used long ago, then
             # B loads the first prompt (a hit marks its chunks used); with
