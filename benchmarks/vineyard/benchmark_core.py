@@ -16,20 +16,13 @@ Measures, with the cache's real backend processes on a real vineyard root:
       writer falling behind (updates skipped, counted);
   (d) scheduler lookups of a fully cached prompt: their time and the KV
       bytes they read (the ``bytes_read`` counter and this process's read
-      syscalls, which must both stay at zero KV);
-  (e) with ``--chunk-sweep``, instead of the above: fewer, larger files per
-      hit (``VINEYARD_CACHE_CHUNK_SIZE``) against the default one block per
-      file, on the local disk and on a FUSE root where every ``stat``,
-      ``open``, first ``read`` and ``fsync`` waits 20 ms (``slow_fs.py``):
-      write and read GB/s and a lookup's time per chunk size.
+      syscalls, which must both stay at zero KV).
 
 The process is pinned to one core, like a forward pass; the cache's backends
 move to the other cores. Usage::
 
     python benchmarks/vineyard/benchmark_core.py [--tiny] [--repeats 3] \
         [--json out.json]
-    python benchmarks/vineyard/benchmark_core.py --chunk-sweep 16,64,256 \
-        [--tokens 512] [--json chunks.json]
 """
 
 from __future__ import annotations
@@ -60,9 +53,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.worker.vineyard_cache_testing import TestingCache  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
 
 TARGET_READ_VS_READV = 1.3  # cache read time at most 1.3x readv's
 TARGET_SAVE_VS_MEMCPY = 1.2  # forward-thread save at most 1.2x one memcpy
@@ -248,6 +238,22 @@ def plain_files(b: Bench, directory: str, iters: int) -> tuple[float, float]:
     return write_s, _median_time(read, iters)
 
 
+def write_then_read(
+    b: Bench,
+) -> tuple[list[list[bytes]], float, list[dict[str, float]]]:
+    """Write ``iters`` new prompts, then load the first one ``iters`` times
+    after a warm-up load (the page cache, the read path): the prompts, the
+    median write's seconds, and each timed load's phases."""
+    prompts = [b.new_prompt() for _ in range(b.size.iters)]
+    write_s = statistics.median(b.save(p, f"w{i}") for i, p in enumerate(prompts))
+    b.load(prompts[0])
+    phases = []
+    for _ in range(b.size.iters):
+        b.load(prompts[0])
+        phases.append(b.load_phases)
+    return prompts, write_s, phases
+
+
 def measure(size: Size, workdir: str) -> dict[str, Any]:
     """One repeat of every measurement."""
     out: dict[str, Any] = {}
@@ -258,15 +264,7 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
     for name, key in (("checksum", ""), ("keyed", key_file)):
         b = Bench(size, os.path.join(workdir, f"root-{name}"), key)
         try:
-            prompts = [b.new_prompt() for _ in range(size.iters)]
-            write_s = statistics.median(
-                b.save(p, f"w{i}") for i, p in enumerate(prompts)
-            )
-            b.load(prompts[0])  # warm: the page cache, the read path
-            phases = []
-            for _ in range(size.iters):
-                b.load(prompts[0])
-                phases.append(b.load_phases)
+            prompts, write_s, phases = write_then_read(b)
             read_s = statistics.median(p["load"] for p in phases)
             out[name] = {
                 "write_gbps": b.prompt_bytes / write_s / GB,
@@ -443,87 +441,6 @@ def measure_save_run(size: Size, root: str) -> dict[str, Any]:
     }
 
 
-#: The slow root of the chunk sweep: a remote filesystem's round trip on
-#: every ``stat`` and ``open`` and on each file's first ``read`` and ``fsync``.
-SWEEP_LATENCY_MS = 20.0
-
-
-def measure_chunk_size(size: Size, root: str, lookups: int) -> dict[str, Any]:
-    """Write, read and look up one prompt with ``size.chunk_size`` tokens
-    per chunk (file) at ``root``."""
-    b = Bench(size, root)
-    try:
-        prompts = [b.new_prompt() for _ in range(size.iters)]
-        write_s = statistics.median(b.save(p, f"w{i}") for i, p in enumerate(prompts))
-        b.load(prompts[0])  # warm the read path
-        read_s = statistics.median(b.load(prompts[0]) for _ in range(size.iters))
-        lookup = measure_lookups(b, prompts[0], n=lookups)
-        return {
-            "chunk_tokens": size.chunk_size,
-            "files_per_prompt": size.num_tokens // size.chunk_size,
-            "write_gbps": b.prompt_bytes / write_s / GB,
-            "read_gbps": b.prompt_bytes / read_s / GB,
-            "write_ms": 1e3 * write_s,
-            "read_ms": 1e3 * read_s,
-            "lookup_ms": lookup["hit_us"] / 1e3,
-            "lookup_hit_tokens": lookup["hit_tokens"],
-            "bit_exact": b.loaded_exact(),
-        }
-    finally:
-        b.close()
-
-
-def measure_chunk_sweep(
-    size: Size, chunk_sizes: list[int], workdir: str
-) -> dict[str, Any]:
-    """(e): every chunk size on the local disk and on the slow FUSE root."""
-    out: dict[str, Any] = {"latency_ms": SWEEP_LATENCY_MS, "disk": [], "slow fs": []}
-    for chunk in chunk_sizes:
-        sized = replace(size, chunk_size=chunk)
-        out["disk"].append(
-            measure_chunk_size(sized, os.path.join(workdir, f"disk-{chunk}"), 50)
-        )
-    why = fuse_unavailable()
-    if why is not None:
-        out["slow fs"] = why
-        return out
-    for chunk in chunk_sizes:
-        try:
-            fs = SlowFs(
-                Path(workdir) / f"fuse-{chunk}", SWEEP_LATENCY_MS, SWEEP_LATENCY_MS
-            )
-        except RuntimeError as e:  # e.g. a container without FUSE permission
-            out["slow fs"] = str(e)
-            return out
-        try:
-            sized = replace(size, chunk_size=chunk)
-            out["slow fs"].append(measure_chunk_size(sized, str(fs.mount), 3))
-        finally:
-            fs.close()
-    return out
-
-
-def print_chunk_sweep(size: Size, sweep: dict[str, Any]) -> None:
-    print(
-        f"\nChunk sizes: one prompt of {size.num_tokens} tokens, block "
-        f"{size.block_size}, {size.num_layers} layers; median of {size.iters}; "
-        f"slow fs: {sweep['latency_ms']:g} ms on every stat and open, first "
-        "read and fsync"
-    )
-    print("root | chunk tokens | files | write GB/s | read GB/s | write ms | "
-          "read ms | lookup ms | exact")  # fmt: skip
-    for root in ("disk", "slow fs"):
-        rows = sweep[root]
-        if isinstance(rows, str):
-            print(f"{root} | skipped: {rows}")
-            continue
-        for r in rows:
-            print(f"{root} | {r['chunk_tokens']} | {r['files_per_prompt']} | "
-                  f"{r['write_gbps']:.3f} | {r['read_gbps']:.3f} | "
-                  f"{r['write_ms']:.0f} | {r['read_ms']:.0f} | "
-                  f"{r['lookup_ms']:.1f} | {r['bit_exact']}")  # fmt: skip
-
-
 def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     def med(get: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(get(r) for r in repeats)
@@ -633,11 +550,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="prompt tokens (default 2048)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--workdir", help="cache roots and files (default: temp)")
-    parser.add_argument(
-        "--chunk-sweep",
-        metavar="TOKENS,...",
-        help="measure these chunk sizes (multiples of the block) instead",
-    )
     args = parser.parse_args(argv)
     size = TINY if args.tiny else Size()
     if args.tokens:
@@ -645,15 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
-    if args.chunk_sweep:
-        chunk_sizes = [int(c) for c in args.chunk_sweep.split(",")]
-        with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-            sweep = measure_chunk_sweep(size, chunk_sizes, workdir)
-        print_chunk_sweep(size, sweep)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"size": asdict(size), "chunk_sweep": sweep}, f, indent=1)
-        return 0
     repeats = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         for i in range(args.repeats):

@@ -117,14 +117,14 @@ def test_core_lookups_read_no_kv(core: dict[str, Any]) -> None:
     assert core["summary"]["targets"]["lookups_read_no_kv"]
 
 
-def test_core_chunk_sweep_trades_files_for_round_trips(tmp_path: Path) -> None:
+def test_chunk_sweep_trades_files_for_round_trips(tmp_path: Path) -> None:
     """The chunk-size sweep loads every size back exactly and finds the
     whole prompt, and on the slow root (a round trip per ``stat``, ``open``,
     first ``read`` and ``fsync``) four times fewer files make the write and
     the lookup faster: the round trips, not the bytes, bound them there."""
     out = tmp_path / "chunks.json"
     stdout = run_script(
-        "benchmark_core.py", "--tiny", "--tokens", "128", "--chunk-sweep", "16,64",
+        "benchmark_chunk_size.py", "16,64", "--tiny", "--tokens", "128",
         "--json", str(out),
     )  # fmt: skip
     assert "Chunk sizes" in stdout

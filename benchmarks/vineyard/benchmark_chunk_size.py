@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What fewer, larger files per hit buy (``VINEYARD_CACHE_CHUNK_SIZE``).
+
+With the core benchmark's cache (``benchmark_core.py``: the real backend
+processes, the 8B-class KV layout), per chunk size: the write, the read and a
+lookup of one prompt, on the local disk and on a FUSE root where every
+``stat``, ``open``, first ``read`` and ``fsync`` waits 20 ms
+(``slow_fs.py``: a remote filesystem's round trip). Usage::
+
+    python benchmarks/vineyard/benchmark_chunk_size.py 16,64,256 \
+        [--tokens 512] [--tiny] [--json chunks.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_core import (  # noqa: E402
+    GB,
+    TINY,
+    Bench,
+    Size,
+    measure_lookups,
+    write_then_read,
+)
+from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
+
+#: The slow root: a remote filesystem's round trip on every ``stat`` and
+#: ``open`` and on each file's first ``read`` and ``fsync``.
+LATENCY_MS = 20.0
+
+
+def measure_chunk_size(size: Size, root: str, lookups: int) -> dict[str, Any]:
+    """Write, read and look up one prompt with ``size.chunk_size`` tokens
+    per chunk (file) at ``root``."""
+    b = Bench(size, root)
+    try:
+        prompts, write_s, phases = write_then_read(b)
+        read_s = statistics.median(p["load"] for p in phases)
+        lookup = measure_lookups(b, prompts[0], n=lookups)
+        return {
+            "chunk_tokens": size.chunk_size,
+            "files_per_prompt": size.num_tokens // size.chunk_size,
+            "write_gbps": b.prompt_bytes / write_s / GB,
+            "read_gbps": b.prompt_bytes / read_s / GB,
+            "write_ms": 1e3 * write_s,
+            "read_ms": 1e3 * read_s,
+            "lookup_ms": lookup["hit_us"] / 1e3,
+            "lookup_hit_tokens": lookup["hit_tokens"],
+            "bit_exact": b.loaded_exact(),
+        }
+    finally:
+        b.close()
+
+
+def measure_chunk_sweep(
+    size: Size, chunk_sizes: list[int], workdir: str
+) -> dict[str, Any]:
+    """Every chunk size on the local disk, then on the slow FUSE root (or
+    why it could not be mounted)."""
+    out: dict[str, Any] = {"latency_ms": LATENCY_MS, "disk": [], "slow fs": []}
+    for chunk in chunk_sizes:
+        sized = replace(size, chunk_size=chunk)
+        out["disk"].append(
+            measure_chunk_size(sized, os.path.join(workdir, f"disk-{chunk}"), 50)
+        )
+    why = fuse_unavailable()
+    if why is not None:
+        out["slow fs"] = why
+        return out
+    for chunk in chunk_sizes:
+        try:
+            fs = SlowFs(Path(workdir) / f"fuse-{chunk}", LATENCY_MS, LATENCY_MS)
+        except RuntimeError as e:  # e.g. a container without FUSE permission
+            out["slow fs"] = str(e)
+            return out
+        try:
+            sized = replace(size, chunk_size=chunk)
+            out["slow fs"].append(measure_chunk_size(sized, str(fs.mount), 3))
+        finally:
+            fs.close()
+    return out
+
+
+def print_chunk_sweep(size: Size, sweep: dict[str, Any]) -> None:
+    print(
+        f"\nChunk sizes: one prompt of {size.num_tokens} tokens, block "
+        f"{size.block_size}, {size.num_layers} layers; median of {size.iters}; "
+        f"slow fs: {sweep['latency_ms']:g} ms on every stat and open, first "
+        "read and fsync"
+    )
+    print("root | chunk tokens | files | write GB/s | read GB/s | write ms | "
+          "read ms | lookup ms | exact")  # fmt: skip
+    for root in ("disk", "slow fs"):
+        rows = sweep[root]
+        if isinstance(rows, str):
+            print(f"{root} | skipped: {rows}")
+            continue
+        for r in rows:
+            print(f"{root} | {r['chunk_tokens']} | {r['files_per_prompt']} | "
+                  f"{r['write_gbps']:.3f} | {r['read_gbps']:.3f} | "
+                  f"{r['write_ms']:.0f} | {r['read_ms']:.0f} | "
+                  f"{r['lookup_ms']:.1f} | {r['bit_exact']}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "chunk_sizes", metavar="TOKENS,...", help="chunk sizes (multiples of the block)"
+    )
+    parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--tokens", type=int, help="prompt tokens (default 2048)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--workdir", help="cache roots (default: temp)")
+    args = parser.parse_args(argv)
+    size = TINY if args.tiny else Size()
+    if args.tokens:
+        size = replace(size, num_tokens=args.tokens)
+    # As in the core benchmark: this process on one core, like a forward pass.
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        sweep = measure_chunk_sweep(size, chunk_sizes, workdir)
+    print_chunk_sweep(size, sweep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": asdict(size), "chunk_sweep": sweep}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
