@@ -15,7 +15,6 @@ lookup of one prompt, on the local disk and on a FUSE root where every
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -25,15 +24,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_core import (  # noqa: E402
     GB,
-    TINY,
     Bench,
     Size,
+    add_size_arguments,
     measure_lookups,
+    pin_like_a_forward_pass,
+    size_of,
     write_then_read,
 )
 from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
@@ -121,18 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "chunk_sizes", metavar="TOKENS,...", help="chunk sizes (multiples of the block)"
     )
-    parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
-    parser.add_argument("--tokens", type=int, help="prompt tokens (default 2048)")
-    parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--workdir", help="cache roots (default: temp)")
+    add_size_arguments(parser)
     args = parser.parse_args(argv)
-    size = TINY if args.tiny else Size()
-    if args.tokens:
-        size = replace(size, num_tokens=args.tokens)
-    # As in the core benchmark: this process on one core, like a forward pass.
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    torch.set_num_threads(1)
+    size = size_of(args)
+    pin_like_a_forward_pass()
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         sweep = measure_chunk_sweep(size, chunk_sizes, workdir)

@@ -543,20 +543,34 @@ def print_report(size: Size, repeats: list[dict[str, Any]]) -> None:
           f"lookups read no KV: {t['lookups_read_no_kv']}")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this script shares with ``benchmark_chunk_size.py``."""
     parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
-    parser.add_argument("--repeats", type=int, default=1, help="whole repeats")
     parser.add_argument("--tokens", type=int, help="prompt tokens (default 2048)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--workdir", help="cache roots and files (default: temp)")
-    args = parser.parse_args(argv)
+
+
+def size_of(args: argparse.Namespace) -> Size:
     size = TINY if args.tiny else Size()
-    if args.tokens:
-        size = replace(size, num_tokens=args.tokens)
+    return replace(size, num_tokens=args.tokens) if args.tokens else size
+
+
+def pin_like_a_forward_pass() -> None:
+    """This process on one core and one thread, like a forward pass (the
+    cache's backends move to the other cores)."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="whole repeats")
+    add_size_arguments(parser)
+    args = parser.parse_args(argv)
+    size = size_of(args)
+    pin_like_a_forward_pass()
     repeats = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         for i in range(args.repeats):
