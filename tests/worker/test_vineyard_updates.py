@@ -40,6 +40,7 @@ from vllm.worker.vineyard.backend.protocol import (
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.transfer.backends import BackendCalls
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 
 T = TypeVar("T")
@@ -255,7 +256,7 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
         max_inflight_tasks=4, drain_timeout_s=drain_s, backend_timeout_s=30.0
     )
     cache = h.cache
-    reader, writer = cache._reader, cache._writer
+    reader, writer = cache._readers[0], cache._writer
     pool, updater = cache.pool, cache._updater
     assert reader is not None and writer is not None and updater is not None
     procs = [p for p in (reader._proc, writer._proc) if p is not None]
@@ -264,7 +265,7 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
 
     caller_errors: list[Exception] = []
     caller = threading.Thread(
-        target=lambda: _call_stats(writer, caller_errors), daemon=True
+        target=lambda: _call_stats(cache._calls, writer, caller_errors), daemon=True
     )
     if stall == "stopped-with-a-call-in-flight":
         caller.start()
@@ -306,10 +307,16 @@ def test_shutdown_with_a_stalled_backend_is_bounded_and_leaks_nothing(
     assert h.load(seqs[0].tokens, 0, CHUNK_SIZE, seqs[0].blocks) == 0
 
 
-def _call_stats(writer: BackendProcess, errors: list[Exception]) -> None:
-    """A call that the stopped writer never answers (until it is killed)."""
+def _call_stats(
+    calls: BackendCalls, writer: BackendProcess, errors: list[Exception]
+) -> None:
+    """A call that the stopped writer never answers (until it is killed),
+    made as the cache makes its stats polls: through its calls, whose lock
+    keeps the updater's writes from going out between its send and its
+    receive (a direct call let one fail once in CI: "one request at a
+    time")."""
     try:
-        writer.call(StatsRequest(), timeout_s=60.0)
+        calls.call(writer, StatsRequest())
     except BackendError as e:
         errors.append(e)
 
