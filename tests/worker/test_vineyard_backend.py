@@ -37,7 +37,7 @@ from tests.worker.vineyard_cache_testing import (
     same_bits,
     stop_process,
 )
-from vllm.worker.vineyard import launch
+from vllm.worker.vineyard import cores, launch
 from vllm.worker.vineyard.backend import client
 from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
@@ -66,7 +66,7 @@ def kill_later(pid: int, delay_s: float) -> threading.Timer:
 
 def wait_restarted(h: CacheHarness) -> None:
     """Wait until the reader's background restart is over."""
-    reader = h.cache._reader
+    reader = h.cache._readers[0]
     assert reader is not None
     restarter = reader._restarter
     assert restarter is not None, "no restart was started"
@@ -139,7 +139,7 @@ def test_stalled_reader_times_out_and_is_replaced(make_cache: CacheFactory):
 
 
 def test_backend_restarts_then_is_disabled_after_too_many(make_cache: CacheFactory):
-    h = make_cache()
+    h = make_cache(readers=1)  # another reader would serve the loads
     tokens, _ = saved_sequence(h)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
     for restart in range(1, 4):
@@ -171,7 +171,7 @@ def test_backend_restarts_then_is_disabled_after_too_many(make_cache: CacheFacto
     # The first of those loads found the reader dead and started a restart
     # on another thread; that thread is what disables the backend.
     wait_restarted(h)
-    reader = h.cache._reader
+    reader = h.cache._readers[0]
     assert reader is not None
     assert reader.disabled_reason is not None
     assert not h.cache.can_load()  # the scheduler stops promising hits
@@ -198,7 +198,7 @@ def test_restarts_spread_over_time_are_forgiven(make_cache: CacheFactory):
     h = make_cache()
     tokens, _ = saved_sequence(h)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
-    reader = h.cache._reader
+    reader = h.cache._readers[0]
     assert reader is not None
     for _ in range(5):
         kill_process(h.pid("read"))
@@ -484,6 +484,28 @@ def _resident_kib(pid: int, size: int) -> list[int]:
             elif current and fields[0] == "Rss:":
                 resident.append(int(fields[1]))
     return resident
+
+
+@pytest.mark.parametrize(
+    ("cpus", "bound_to", "accelerator", "readers"),
+    [
+        (2, {0, 1}, False, 1),  # a CPU worker on every core: one reader
+        (2, {0}, False, 1),  # one core left: one reader
+        (8, {0, 1, 2, 3}, False, 2),  # four cores left
+        (2, {0, 1}, True, 2),  # a GPU worker's thread mostly waits
+        (1, {0}, True, 1),
+    ],
+)
+def test_two_readers_where_two_cores_are_free(
+    monkeypatch: pytest.MonkeyPatch,
+    cpus: int,
+    bound_to: set[int],
+    accelerator: bool,
+    readers: int,
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: bound_to)
+    assert cores.default_readers(accelerator) == readers
 
 
 def test_the_reader_maps_its_buffers_before_the_first_load(make_cache: CacheFactory):

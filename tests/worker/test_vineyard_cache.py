@@ -7,11 +7,13 @@ local hits, short loads and namespaces."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import (
     BLOCK_SIZE,
     CHUNK_SIZE,
@@ -19,8 +21,10 @@ from tests.worker.vineyard_cache_testing import (
     CacheFactory,
     CacheHarness,
     chunk_files,
+    kill_process,
     make_tokens,
     same_bits,
+    stop_process,
 )
 
 # A sequence of five whole chunks and a partial one.
@@ -207,6 +211,49 @@ def test_lookup_of_a_longer_sequence_than_one_buffer(small_cache: CacheHarness):
     n = total // h.block_size
     assert h.load(tokens, 0, total, dst) == total
     h.check_loaded(before, src[:n], dst[:n])
+
+
+def test_two_readers_read_a_loads_segments_at_once_and_copy_them_in_order(
+    make_cache: CacheFactory,
+):
+    """With two readers a long load's first two segments are read at once;
+    when the second one's answer comes first (the first reader stalled),
+    nothing is copied until the first one's: blocks go into place in
+    order, and the load is bit-exact. A dead reader's read goes to the
+    other one: the next load is whole."""
+    h = make_cache(readers=2)
+    length = 4 * MAX_NUM_BATCHED_TOKENS + 1
+    tokens = make_tokens(length)
+    src = h.blocks_for(0, length)
+    h.save_all([h.request("long", tokens, length, src)])
+    total = length - 1
+    n = total // h.block_size
+    assert h.reads_at_once(0, total) == 2
+    dst = h.blocks_for(80, length)
+    before = h.kv.clone()
+    loads = h.cache.loads
+    stop_process(h.pid("read"))
+    try:
+        loads.start("r", h.digests(tokens), 0, total, dst)
+        loads.poll()
+        first, second = loads._in_flight
+        assert first.reader is not second.reader
+        assert (first.segment, second.segment) == (0, 1)
+        assert wait_until(second.reader.ready)  # the second read is answered
+        loads.poll()
+        assert loads._jobs["r"].loaded == 0  # waits for the first
+        assert same_bits(h.kv, before)
+    finally:
+        os.kill(h.pid("read"), signal.SIGCONT)
+    loads.poll(wait=True)
+    assert loads.take_finished() == [("r", total, total)]
+    h.check_loaded(before, src[:n], dst[:n])
+
+    kill_process(h.pid("read"))
+    before = h.kv.clone()
+    assert h.load(tokens, 0, total, dst) == total
+    h.check_loaded(before, src[:n], dst[:n])
+    assert h.counters()["load_errors"] == 0
 
 
 @pytest.mark.parametrize("saved_chunks", [0, 2, 4])

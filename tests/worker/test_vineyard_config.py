@@ -158,6 +158,11 @@ CASES: dict[str, EnvCase] = {
             ("3601", "[0.1, 3600]"),
         ),
     ),
+    "VINEYARD_CACHE_READERS": EnvCase(
+        "readers",
+        (("0", 0), ("1", 1), ("8", 8)),
+        (("two", "[0, 8]"), ("-1", "[0, 8]"), ("9", "[0, 8]"), ("1.5", "[0, 8]")),
+    ),
     "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": EnvCase(
         "lookup_timeout_s",
         (("0.5", 0.5), ("600", 600.0)),

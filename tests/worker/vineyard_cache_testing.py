@@ -149,10 +149,8 @@ class TestingCache(VineyardLLMCache):
         return PoolCounts(self._pool)
 
     def backend_pids(self) -> dict[str, int | None]:
-        return {
-            "read": self._reader.pid if self._reader else None,
-            "write": self._writer.pid if self._writer else None,
-        }
+        pids = {reader.name: reader.pid for reader in self._readers}
+        return pids | {"write": self._writer.pid if self._writer else None}
 
     @property
     def _resume(self) -> dict[str, tuple[int, int]]:
@@ -426,6 +424,14 @@ class CacheHarness:
     ) -> int:
         return self.cache.load(self.digests(tokens), start, end, blocks)
 
+    def reads_at_once(self, start: int, end: int) -> int:
+        """How many segments of a load of tokens ``[start, end)`` the
+        readers read at once when it starts (each stops at its first bad
+        chunk, so a load of bad chunks finds this many)."""
+        blocks = -(-(end - start) // self.block_size)
+        segments = -(-blocks // self.cache.loads._segment_blocks)
+        return min(self.cache.num_readers, segments)
+
     def save_all(self, requests: Sequence[SaveRequest], timeout_s: float = 30.0) -> int:
         """Save until nothing is pending (a buffer holds one step's worth);
         returns how many tasks were submitted."""
@@ -447,10 +453,11 @@ class CacheHarness:
         return pid
 
     def reader_stats(self) -> None:
-        """Collect the reader's counters now (they come with its replies)."""
-        assert self.cache._reader is not None
-        reply = self.cache._reader.call(StatsRequest())
-        self.cache.metrics.record(reply.stats.counters)
+        """Collect the readers' counters now (they come with their
+        replies)."""
+        for reader in self.cache._readers:
+            reply = reader.call(StatsRequest())
+            self.cache.metrics.record(reply.stats.counters)
 
     def counters(self) -> dict[str, int]:
         """Counters of the cache and its lookup since the last

@@ -12,9 +12,10 @@ for. A later request that starts with a cached prefix loads that KV
 (:mod:`~vllm.worker.vineyard.transfer.loads`) instead of recomputing it.
 
 The vineyard calls run in backend processes (``vineyard/backend/``): one
-writer, one reader, so the GIL that vineyard holds never stalls the engine,
-and a read never waits behind a write. Buffers are shared memory; only
-block ids cross the process boundary.
+writer and one or more readers (two where two cores are free for them: a
+load's reads and verification then run at once), so the GIL that vineyard holds never
+stalls the engine, and a read never waits behind a write. Buffers are
+shared memory; only block ids cross the process boundary.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from vllm.worker.vineyard.backend.protocol import (
     UpdateRequest,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
-from vllm.worker.vineyard.cores import move_off_the_workers_cores
+from vllm.worker.vineyard.cores import default_readers, move_off_the_workers_cores
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import write_manifest
@@ -406,8 +407,16 @@ class VineyardLLMCache:
         self._saves = SaveLedger(layout, self.metrics)
         self._calls = BackendCalls(self.metrics)
         self._closed = False
+        self.num_readers = config.readers or default_readers(self.device.type != "cpu")
+        # A read buffer holds a segment of a load: a quarter of a step's
+        # blocks (whole chunks), so that a long load's reads overlap.
+        bpc = layout.blocks_per_chunk
         self._read_buffers = ReadBuffers(
-            self.max_blocks, layout.entry_bytes, dtype, self.device
+            self.num_readers + 1,
+            max(bpc, self.max_blocks // 4 // bpc * bpc),
+            layout.entry_bytes,
+            dtype,
+            self.device,
         )
         self._write_memory = StagingMemory(
             num_buffers, self.max_blocks, layout.entry_bytes, dtype
@@ -415,31 +424,32 @@ class VineyardLLMCache:
         self._pool = _PinnedTensorPool(
             self._write_memory, min(config.min_inflight_tasks, num_buffers), num_buffers
         )
-        self._reader: BackendProcess | None = None
+        self._readers: list[BackendProcess] = []
         self._writer: BackendProcess | None = None
         self._updater: _AsyncUpdater | None = None
         self.loads = self._start_backends(root)
         self._updater = self._start_updater()
 
     def _start_backends(self, root: str) -> LoadPipeline:
-        """Start the reader and the writer (if either cannot start, close
-        and raise :class:`BackendError`); returns the load pipeline, which
-        the reader serves."""
+        """Start the readers and the writer (if any cannot start, close and
+        raise :class:`BackendError`); returns the load pipeline, which the
+        readers serve."""
         try:
-            reader, writer = start_backends(
+            readers, writer = start_backends(
                 self.config,
                 self.layout,
                 self.files.root,
                 root,
+                self.num_readers,
                 self._read_buffers.memory,
                 self._write_memory,
             )
         except BackendError:
             self.close()
             raise
-        self._reader, self._writer = reader, writer
+        self._readers, self._writer = readers, writer
         return LoadPipeline(
-            reader,
+            readers,
             self._calls,
             self._read_buffers,
             self._kv,
@@ -487,9 +497,9 @@ class VineyardLLMCache:
     # ---- loads (moved on by ``loads``) -------------------------------------
 
     def can_load(self) -> bool:
-        """Whether the reader can take a load now (not restarting, not
-        disabled): the scheduler promises no hits while it cannot."""
-        return not self._closed and self._reader is not None and self._reader.available
+        """Whether a reader can take a load now (not restarting, not
+        disabled): the scheduler promises no hits while none can."""
+        return not self._closed and any(r.available for r in self._readers)
 
     # ---- saves -------------------------------------------------------------
 
@@ -561,8 +571,8 @@ class VineyardLLMCache:
             self._writer.close()
         if self._updater is not None and not self._updater.join(5.0):
             logger.warning("vineyard cache updater thread did not stop")
-        if self._reader is not None:
-            self._reader.close()
+        for reader in self._readers:
+            reader.close()
         self._pool.close()
         self._write_memory.close()
         self._read_buffers.close()

@@ -103,8 +103,8 @@ def test_root_broken_at_runtime(
 @pytest.fixture(scope="module")
 def killed(toy_model: str, module_dir: Path) -> EngineRun:
     """SIGKILL every vineyard backend process of the engine (the worker's
-    reader and writer; the scheduler's lookups need none) between generate
-    calls."""
+    two readers and its writer; the scheduler's lookups need none) between
+    generate calls."""
     prompts = standard_prompts()
     return run_engine(
         toy_model,
@@ -113,7 +113,9 @@ def killed(toy_model: str, module_dir: Path) -> EngineRun:
             {"prompts": prompts, "kill_backends": True},
             {"prompts": prompts, "kill_backends": True},
         ],
-        engine_env(module_dir / "killed" / "cache"),
+        engine_env(
+            module_dir / "killed" / "cache", extra={"VINEYARD_CACHE_READERS": "2"}
+        ),
         module_dir / "killed",
         llm_kwargs=LLM_KWARGS,
         timeout_s=180,
@@ -121,8 +123,8 @@ def killed(toy_model: str, module_dir: Path) -> EngineRun:
 
 
 def test_killed_backends_restart(killed: EngineRun) -> None:
-    assert [r.killed_backends for r in killed.rounds] == [0, 2, 2]
-    # Backends restart on their next call: the reader for the loads of
+    assert [r.killed_backends for r in killed.rounds] == [0, 3, 3]
+    # Backends restart on their next call: the readers for the loads of
     # rounds 1 and 2, the writer for the saves of round 1.
     assert killed.delta(1, "backend_restarts") >= 1
     assert killed.delta(2, "backend_restarts") >= 1
@@ -216,7 +218,7 @@ def test_corrupt_chunks_are_recomputed_and_written_again(
 
 
 #: The reads of one load: LLM_KWARGS' engines read segments of 4 blocks
-#: (a quarter of a read buffer of 1024 tokens), two buffers in turn.
+#: (a quarter of a step of 1024 tokens), two readers at once.
 SEGMENT_BLOCKS = 1024 // BLOCK_SIZE // 4
 BAD_BLOCK = 3 * SEGMENT_BLOCKS + 1  # inside the fourth segment
 
@@ -238,16 +240,16 @@ def _chunk_file_of(root: Path, prompt: list[int], num_blocks: int) -> Path:
 def test_a_corrupt_chunk_among_segments_in_flight_is_caught(
     toy_model: str, module_dir: Path, no_cache: list[list[int]], keyed: bool
 ) -> None:
-    """A load reads a long prompt in segments, two read buffers in turn,
-    the reader verifying one segment while the forward thread copies the
-    one before. One bit-rotted chunk inside the fourth segment stops the
+    """A load reads a long prompt in segments, two readers at once (each
+    reading and verifying its own) while the forward thread copies the one
+    before. One bit-rotted chunk inside the fourth segment stops the
     load exactly there: the three segments before it and the good block of
     its own segment are loaded (verified), nothing from the bad block on,
     with the checksum and with a key. vLLM recomputes the rest and the
     outputs equal a run without the cache, and the chunk is written again."""
     workdir = module_dir / f"corrupt-in-flight-{keyed}"
     root = workdir / "cache"
-    extra = {}
+    extra = {"VINEYARD_CACHE_READERS": "2"}
     if keyed:
         key = workdir / "auth.key"
         workdir.mkdir(parents=True)

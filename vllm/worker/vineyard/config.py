@@ -215,6 +215,13 @@ class VineyardLLMCacheConfig:
         "the call counted as failed.",
         _number(float, 0.1, True, 3600),
     )
+    readers: int = _setting(
+        "0",
+        "Reader processes per worker: a load's segments are read and verified "
+        "by several at once. 0: two where two cores are free for them (any "
+        "two with a GPU; two the worker is not bound to on a CPU), else one.",
+        _number(int, 0, True, 8),
+    )
     lookup_timeout_s: float = _setting(
         "2",
         "Longest a lookup (file metadata, in the background) may take before "

@@ -10,6 +10,25 @@ import contextlib
 import os
 
 
+def _cores_not_bound_to_the_worker() -> set[int]:
+    """The cores the calling (worker) thread is not bound to."""
+    every = set(range(os.cpu_count() or 1))
+    try:
+        return every - os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set()
+
+
+def default_readers(accelerator: bool) -> int:
+    """How many readers a worker starts unless told: two where two cores
+    are free for them, else one. With an accelerator the forward thread
+    mostly waits for the device, so any two cores; a CPU worker's forward
+    pass needs its cores, so two it is not bound to."""
+    every = os.cpu_count() or 1
+    free = every if accelerator else len(_cores_not_bound_to_the_worker())
+    return 2 if free >= 2 else 1
+
+
 def move_off_the_workers_cores() -> None:
     """Run the calling thread (and what it starts) on the cores the worker
     does not use, or on every core if there are no others. vLLM's CPU
@@ -20,4 +39,4 @@ def move_off_the_workers_cores() -> None:
         return
     with contextlib.suppress(OSError):
         every = set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, (every - os.sched_getaffinity(0)) or every)
+        os.sched_setaffinity(0, _cores_not_bound_to_the_worker() or every)

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The cache's two backend processes as the cache sees them: their specs and
-their start (:func:`start_backends`), and the books that every call to them
-keeps (:class:`BackendCalls`): restarts, the counters each reply carries,
-and the chunk files the backends removed."""
+"""The cache's backend processes (its readers and its writer) as the cache
+sees them: their specs and their start (:func:`start_backends`), and the
+books that every call to them keeps (:class:`BackendCalls`): restarts,
+the counters each reply carries, and the chunk files the backends
+removed."""
 
 from __future__ import annotations
 
@@ -104,28 +105,32 @@ def start_backends(
     layout: KVCacheLayout,
     namespace: str,
     cache_root: str,
+    num_readers: int,
     read_memory: StagingMemory,
     write_memory: StagingMemory,
-) -> tuple[BackendProcess, BackendProcess]:
-    """The reader (over ``read_memory``) and the writer (over
+) -> tuple[list[BackendProcess], BackendProcess]:
+    """The readers (over ``read_memory``) and the writer (over
     ``write_memory``, sweeping ``cache_root``) of ``namespace``, ready; if
-    either cannot start, neither is left running."""
+    any cannot start, none is left running."""
     started: list[BackendProcess] = []
     try:
-        # Both start at once (each spends a few tenths of a second
+        # All start at once (each spends a few tenths of a second
         # importing vineyard's KV cache).
-        reader = BackendProcess(
-            "read",
-            _spec(config, layout, namespace, cache_root, read_memory, False),
-            read_memory.fd,
-            config.backend_timeout_s,
-            wait=False,
-            # Loads are driven from the forward thread: it never waits
-            # for a reader to restart (e.g. on a root that hangs).
-            restart_in_background=True,
-            disk_progress=True,
-        )
-        started.append(reader)
+        readers = []
+        for i in range(num_readers):
+            reader = BackendProcess(
+                "read" if i == 0 else f"read{i}",
+                _spec(config, layout, namespace, cache_root, read_memory, False),
+                read_memory.fd,
+                config.backend_timeout_s,
+                wait=False,
+                # Loads are driven from the forward thread: it never waits
+                # for a reader to restart (e.g. on a root that hangs).
+                restart_in_background=True,
+                disk_progress=True,
+            )
+            started.append(reader)
+            readers.append(reader)
         writer = BackendProcess(
             "write",
             _spec(config, layout, namespace, cache_root, write_memory, True),
@@ -138,10 +143,10 @@ def start_backends(
             disk_progress=True,
         )
         started.append(writer)
-        reader.wait_ready()
-        writer.wait_ready()
+        for backend in started:
+            backend.wait_ready()
     except BaseException:
         for backend in reversed(started):
             backend.close()
         raise
-    return reader, writer
+    return readers, writer

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The load pipeline of the cache: which chunks each request's load reads,
-the reads the reader backend makes of them (one at a time, in turn into two
-read buffers), and the copy of verified blocks into the request's KV blocks
-on the caller's thread."""
+the reads the reader backends make of them (one segment per reader at a
+time, each into a read buffer of its own), and the copy of verified blocks
+into the request's KV blocks on the caller's thread, in segment order."""
 
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ logger = init_logger(__name__)
 
 
 @dataclass
+class _Read:
+    """A segment's read sent to a reader, not answered yet."""
+
+    job: LoadJob
+    segment: int
+    buffer: int
+    reader: BackendProcess
+    sent_at: float
+
+
+@dataclass
 class LoadJob:
     """One request's load: which blocks to read (in segments of whole
     chunks) and to fill, and how far it got."""
@@ -48,19 +59,26 @@ class LoadJob:
     next_segment: int = 0
     loaded: int = 0  # end of the blocks filled so far
     cancelled: bool = False
+    finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
-    read_s: float = 0.0  # the reader's time reading, verifying; ours copying
+    read_s: float = 0.0  # the readers' time reading, verifying; ours copying
     verify_s: float = 0.0
     copy_s: float = 0.0
 
 
 class LoadPipeline:
     """The loads of one cache (its ``loads``), moved on by the thread that
-    calls it (the forward thread) and never waiting unless told to."""
+    calls it (the forward thread) and never waiting unless told to.
+
+    Several readers read (and verify) segments at once, the next ones of
+    a load included, each into a free read buffer; their answers are taken
+    in the order the reads went out, so blocks are copied in order and a
+    segment that comes back short ends its load there (the answers to the
+    reads after it are dropped)."""
 
     def __init__(
         self,
-        reader: BackendProcess,
+        readers: Sequence[BackendProcess],
         calls: BackendCalls,
         buffers: ReadBuffers,
         kv: KVBlockCopier,
@@ -68,24 +86,24 @@ class LoadPipeline:
         metrics: VineyardCacheMetrics,
         timeout_s: float,
     ):
-        self._reader, self._calls = reader, calls  # where reads go
+        assert buffers.count > len(readers) > 0
+        self._readers, self._calls = list(readers), calls  # where reads go
         self._buffers = buffers
         self._kv = kv
         self._layout = layout
         self._metrics = metrics
         self._timeout_s = timeout_s  # a read not answered by then is given up
         self._log = LogLimiter(logger)
-        self._events: list[torch.cuda.Event | None] = [None] * buffers.COUNT
-        self._next_buffer = 0
-        # Loads by request, in the order their reads go out; the one read in
-        # flight: (load, segment, buffer, sent at).
+        # A buffer's last copy into KV blocks (on a device, asynchronous).
+        self._events: list[torch.cuda.Event | None] = [None] * buffers.count
+        self._free_buffers = collections.deque(range(buffers.count))
+        # Loads by request, in the order their reads go out; the reads in
+        # flight, oldest first.
         self._jobs: dict[str, LoadJob] = {}
         self._queue: collections.deque[LoadJob] = collections.deque()
-        self._in_flight: tuple[LoadJob, int, int, float] | None = None
+        self._in_flight: collections.deque[_Read] = collections.deque()
         self._finished: list[tuple[str, int, int]] = []
-        bpc = layout.blocks_per_chunk
-        max_blocks = buffers.memory.max_blocks
-        self._segment_blocks = max(bpc, max_blocks // 4 // bpc * bpc)
+        self._segment_blocks = buffers.memory.max_blocks
 
     def start(
         self,
@@ -108,9 +126,9 @@ class LoadPipeline:
         running requests) and after ``end`` (not the request's to fill) are
         left alone. The reader verifies every entry before it is copied.
 
-        The reader backend reads segments of a quarter buffer (whole chunks)
-        in turn into two read buffers while the engine runs; the only work
-        on the caller's thread is the copy of verified blocks into place.
+        The readers read segments of a read buffer each (whole chunks) while
+        the engine runs; the only work on the caller's thread is the copy of
+        verified blocks into place.
         """
         bs, bpc = self._layout.block_size, self._layout.blocks_per_chunk
         assert start % bs == 0 and end % bs == 0
@@ -155,69 +173,83 @@ class LoadPipeline:
         return done
 
     def poll(self, wait: bool = False) -> None:
-        """Move loads on: collect the reader's answers that have arrived,
+        """Move loads on: collect the readers' answers that have arrived,
         copy their verified blocks into place and send the next reads.
         Never waits unless ``wait`` (then until every load is done)."""
-        reader = self._reader
         while True:
-            if self._in_flight is None and not self._send_next_read():
+            self._send_reads()
+            if not self._in_flight:
                 return
-            assert self._in_flight is not None
-            job, k, buffer, sent_at = self._in_flight
+            read = self._in_flight[0]
+            reader, job = read.reader, read.job
             ready = wait or reader.ready()
             # Stuck: no progress for the timeout; a reader starved of CPU or
             # waiting for a busy disk is slow, and waited for, but a
-            # request waits for its load at most twice the timeout.
+            # request waits for a read at most twice the timeout.
             stuck = not ready and (
                 reader.stalled(self._timeout_s) is not None
-                or time.monotonic() - sent_at >= 2 * self._timeout_s
+                or time.monotonic() - read.sent_at >= 2 * self._timeout_s
             )
             if not (ready or stuck):
                 return
-            self._in_flight = None
+            self._in_flight.popleft()
             try:
                 # A stuck reader is given up on at once (and restarted).
                 timeout_s = None if ready else 0.0
                 reply = self._calls.receive(reader, QueryReply, timeout_s)
             except BackendError as e:
                 logger.warning("vineyard cache read failed, recomputing: %s", e)
+                self._free_buffers.append(read.buffer)
                 self._finish(job)
+                continue
+            if job.finished:  # an earlier segment ended it
+                self._free_buffers.append(read.buffer)
                 continue
             verified = reply.verified
             job.read_s += reply.read_s
             job.verify_s += reply.verify_s
-            s, seg_end = job.segments[k]
-            more = (
-                s + verified == seg_end
-                and k + 1 < len(job.segments)
-                and not job.cancelled
-            )
-            if not more:
+            s, seg_end = job.segments[read.segment]
+            last = s + verified < seg_end or read.segment + 1 == len(job.segments)
+            if last:
                 job.next_segment = len(job.segments)  # no more reads
-            # The next read (of this load or the next) overlaps this copy.
-            self._send_next_read()
-            if not job.cancelled:
-                skip, use = max(0, job.loaded - s), min(verified, job.last - s)
-                if use > skip:
-                    copy_started = time.perf_counter()
-                    self._copy_in(buffer, skip, use, job.block_ids[s + skip : s + use])
-                    job.copy_s += time.perf_counter() - copy_started
-                    job.loaded = s + use
-            if not more:
+            # The readers' next reads overlap this copy.
+            self._send_reads()
+            skip, use = max(0, job.loaded - s), min(verified, job.last - s)
+            if use > skip:
+                copy_started = time.perf_counter()
+                self._copy_in(read.buffer, skip, use, job.block_ids[s + skip : s + use])
+                job.copy_s += time.perf_counter() - copy_started
+                job.loaded = s + use
+            self._free_buffers.append(read.buffer)
+            if last:
                 self._finish(job)
 
-    def _send_next_read(self) -> bool:
-        """Send the next segment's read of the first unfinished load into
-        the next read buffer; whether one was sent."""
-        while self._queue:
+    def _send_reads(self) -> None:
+        """Send the next segments' reads, of the first unfinished loads, to
+        the idle readers (the first reader first), each into a free read
+        buffer. A read a reader cannot take (it died, or is restarting) goes
+        to another; with none left and none answering, the load stops
+        there (the rest is recomputed)."""
+        busy = {id(read.reader) for read in self._in_flight}
+        idle = [r for r in self._readers if id(r) not in busy and r.available]
+        while self._free_buffers and self._queue:
             job = self._queue[0]
             k = job.next_segment
-            if job.cancelled or k >= len(job.segments):
-                # Every read sent: its last answer finishes it.
+            if job.finished or k >= len(job.segments):
+                # Every read sent: the last answer finishes it.
                 self._queue.popleft()
                 continue
+            if not idle:
+                if self._in_flight:
+                    return  # sent when a reader answers
+                logger.warning(
+                    "vineyard cache read failed, recomputing: no reader can "
+                    "take it (restarting or disabled)"
+                )
+                self._finish(job)
+                continue
             s, e = job.segments[k]
-            buffer = self._next_buffer
+            reader, buffer = idle.pop(0), self._free_buffers[0]
             event = self._events[buffer]
             if event is not None:
                 event.synchronize()  # the buffer's last copy is done
@@ -229,22 +261,21 @@ class LoadPipeline:
                     job.digests[s:e],
                     k == 0,  # the load's first read marks the prefix used too
                 )
-                self._calls.send(self._reader, request)
+                self._calls.send(reader, request)
             except BackendError as e:
-                logger.warning("vineyard cache read failed, recomputing: %s", e)
-                self._queue.popleft()
-                self._finish(job)
-                continue
-            job.next_segment = k + 1  # sent; the answer decides what follows
-            self._next_buffer ^= 1
-            self._in_flight = (job, k, buffer, time.monotonic())
-            return True
-        return False
+                logger.warning("vineyard cache reader failed: %s", e)
+                continue  # to another reader, if one is idle
+            self._free_buffers.popleft()
+            job.next_segment = k + 1
+            self._in_flight.append(_Read(job, k, buffer, reader, time.monotonic()))
 
     def _finish(self, job: LoadJob) -> None:
         """Report ``job`` finished (once), with what it loaded."""
-        if self._jobs.pop(job.req_id, None) is None:
+        if job.finished:
             return  # already reported
+        job.finished = True
+        if self._jobs.get(job.req_id) is job:
+            del self._jobs[job.req_id]
         with contextlib.suppress(ValueError):
             self._queue.remove(job)
         bs = self._layout.block_size

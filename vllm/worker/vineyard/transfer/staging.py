@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The staging memory the cache shares with its backend processes: buffers
 of KV entries in a ``memfd`` that both sides map, page-locked for the
-device's copies when there is a device (:func:`pin`), and the two read
+device's copies when there is a device (:func:`pin`), and the read
 buffers of loads (:class:`ReadBuffers`)."""
 
 from __future__ import annotations
@@ -67,28 +67,29 @@ class StagingMemory:
 
 
 class ReadBuffers:
-    """The reader's two buffers, so that the read of one segment overlaps
-    the copy of the one before; backed (and on a device, pinned) at once."""
-
-    COUNT = 2
+    """The readers' buffers, one segment each: one more than the readers,
+    so that while one buffer's blocks are copied into place every reader
+    can read the next segment; backed (and on a device, pinned) at once."""
 
     def __init__(
         self,
-        max_blocks: int,
+        count: int,
+        segment_blocks: int,
         entry_bytes: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.memory = StagingMemory(self.COUNT, max_blocks, entry_bytes, dtype)
+        self.count = count
+        self.memory = StagingMemory(count, segment_blocks, entry_bytes, dtype)
         # Back the read buffers now: a first load that faults in hundreds
         # of MiB of pages measured 4x slower than the next ones.
         self.memory.tensor.view(torch.uint8).fill_(0)
         self._pinned = device.type == "cuda" and all(
-            [pin(self.memory.tensor[i]) for i in range(self.COUNT)]
+            [pin(self.memory.tensor[i]) for i in range(count)]
         )
 
     def close(self) -> None:
         if self._pinned:
-            for i in range(self.COUNT):
+            for i in range(self.count):
                 unpin(self.memory.tensor[i])
         self.memory.close()
