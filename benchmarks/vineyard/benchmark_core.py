@@ -16,7 +16,9 @@ Measures, with the cache's real backend processes on a real vineyard root:
       writer falling behind (updates skipped, counted);
   (d) scheduler lookups of a fully cached prompt: their time and the KV
       bytes they read (the ``bytes_read`` counter and this process's read
-      syscalls, which must both stay at zero KV).
+      syscalls, which must both stay at zero KV);
+  (e) a load with one reader and with two (reads and verification of
+      segments at once), with this process on one core and on every core.
 
 The process is pinned to one core, like a forward pass; the cache's backends
 move to the other cores. Usage::
@@ -35,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,12 @@ class Bench:
     second half."""
 
     def __init__(
-        self, size: Size, root: str, key_file: str = "", max_inflight_tasks: int = 2
+        self,
+        size: Size,
+        root: str,
+        key_file: str = "",
+        max_inflight_tasks: int = 2,
+        readers: int = 0,
     ):
         self.size = size
         s = size
@@ -117,6 +124,7 @@ class Bench:
             cpu_mem_limit_gb=8.0,
             max_inflight_tasks=max_inflight_tasks,
             backend_timeout_s=120.0,
+            readers=readers,
             metrics_enabled=True,  # the load's phases (read, verify, copy)
         )
         self.cache = TestingCache(
@@ -288,6 +296,7 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
                 out["readv_ms"] = 1e3 * r
         finally:
             b.close()
+    out["readers"] = measure_readers(size, workdir, key_file)
     c = out["checksum"]
     out["write_vs_writev"] = c["write_gbps"] / out["writev_gbps"]
     out["readv_vs_read"] = out["readv_gbps"] / c["read_gbps"]
@@ -300,6 +309,49 @@ def measure(size: Size, workdir: str) -> dict[str, Any]:
         out[name]["read_verify_vs_readv"] = out["readv_ms"] / (
             ph["read"] + ph["verify"]
         )
+    return out
+
+
+@contextlib.contextmanager
+def _cores(every: bool) -> Iterator[None]:
+    """This process (and the backends it starts) on every core, or left on
+    the one it is pinned to."""
+    pinned = os.sched_getaffinity(0)
+    if every:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+def measure_readers(size: Size, workdir: str, key_file: str) -> dict[str, Any]:
+    """Median load ms of one prompt with one reader and with two, with this
+    process (the forward thread, which copies) on its one core, and on
+    every core (as where a core is free for the second reader), per check;
+    every load bit-exact."""
+    out: dict[str, Any] = {}
+    for name, key in (("checksum", ""), ("keyed", key_file)):
+        root = os.path.join(workdir, f"root-readers-{name}")
+        writer = Bench(size, root, key)
+        try:
+            prompt = writer.new_prompt()
+            writer.save(prompt, "w")
+            for cores in ("one", "every"):
+                with _cores(cores == "every"):
+                    for readers in (1, 2):
+                        b = Bench(size, root, key, readers=readers)
+                        try:
+                            b.kv[:, : b.blocks] = writer.kv[:, : writer.blocks]
+                            b.load(prompt)  # warm: the page cache, the path
+                            ms = [1e3 * b.load(prompt) for _ in range(size.iters)]
+                            if not b.loaded_exact():
+                                raise RuntimeError("a load was not bit-exact")
+                            out[f"{name}/{cores}/{readers}"] = statistics.median(ms)
+                        finally:
+                            b.close()
+        finally:
+            writer.close()
     return out
 
 
@@ -516,6 +568,22 @@ def print_report(size: Size, repeats: list[dict[str, Any]]) -> None:
                   f"{m['read_alone_vs_readv']:.2f}x | "
                   f"{m['read_verify_vs_readv']:.2f}x | "
                   f"{r['readv_ms'] / ph['load']:.2f}x")  # fmt: skip
+    print(
+        "\nReads and verification at once: a load's median ms with one reader "
+        "and with two (each reads and verifies its own segments), this process "
+        "(which copies) on its one core or on every core; x = speed as a share "
+        "of readv's:"
+    )
+    print("repeat | check | cores | 1 reader | 2 readers | 2 vs 1 | "
+          "1 reader/readv | 2 readers/readv")  # fmt: skip
+    for i, r in enumerate(repeats):
+        rd = r["readers"]
+        for name in ("checksum", "keyed"):
+            for cores in ("one", "every"):
+                one, two = rd[f"{name}/{cores}/1"], rd[f"{name}/{cores}/2"]
+                print(f"{i + 1} | {name} | {cores} | {one:.1f} | {two:.1f} | "
+                      f"{one / two:.2f}x | {r['readv_ms'] / one:.2f}x | "
+                      f"{r['readv_ms'] / two:.2f}x")  # fmt: skip
     print(
         f"\nForward thread per save over a run of {s.run_saves} steps, one every "
         f"{1e3 * s.run_gap_s:.0f} ms, on a fresh cache from {s.run_startup_s:g} s "

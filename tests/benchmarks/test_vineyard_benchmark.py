@@ -82,6 +82,15 @@ def test_core_figures_are_complete(core: dict[str, Any]) -> None:
         assert phases["read"] > 0 and phases["verify"] > 0 and phases["copy"] > 0
         assert max(phases["read"], phases["copy"]) <= phases["load"], phases
         assert 0 < r[name]["read_verify_vs_readv"] < r[name]["read_alone_vs_readv"]
+    # One reader and two, on one core and on every core, each load
+    # bit-exact (else the script fails).
+    assert sorted(r["readers"]) == sorted(
+        f"{name}/{cores}/{n}"
+        for name in ("checksum", "keyed")
+        for cores in ("one", "every")
+        for n in (1, 2)
+    )
+    assert all(ms > 0 for ms in r["readers"].values())
     assert r["writev_gbps"] > 0 and r["readv_gbps"] > 0
     assert r["save"]["save_ms"] > 0 and r["save"]["memcpy_ms"] > 0
     run = r["save_run"]
