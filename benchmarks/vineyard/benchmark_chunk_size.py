@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_core import (  # noqa: E402
+from benchmark_core import measure_lookups  # noqa: E402
+from core_harness import (  # noqa: E402
     GB,
     Bench,
     Size,
     add_size_arguments,
-    measure_lookups,
     pin_like_a_forward_pass,
     size_of,
     write_then_read,
