@@ -86,7 +86,7 @@ class LoadPipeline:
         metrics: VineyardCacheMetrics,
         timeout_s: float,
     ):
-        assert buffers.count > len(readers) > 0
+        assert buffers.memory.count > len(readers) > 0
         self._readers, self._calls = list(readers), calls  # where reads go
         self._buffers = buffers
         self._kv = kv
@@ -95,8 +95,8 @@ class LoadPipeline:
         self._timeout_s = timeout_s  # a read not answered by then is given up
         self._log = LogLimiter(logger)
         # A buffer's last copy into KV blocks (on a device, asynchronous).
-        self._events: list[torch.cuda.Event | None] = [None] * buffers.count
-        self._free_buffers = collections.deque(range(buffers.count))
+        self._events: list[torch.cuda.Event | None] = [None] * buffers.memory.count
+        self._free_buffers = collections.deque(range(buffers.memory.count))
         # Loads by request, in the order their reads go out; the reads in
         # flight, oldest first.
         self._jobs: dict[str, LoadJob] = {}

@@ -79,7 +79,6 @@ class ReadBuffers:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.count = count
         self.memory = StagingMemory(count, segment_blocks, entry_bytes, dtype)
         # Back the read buffers now: a first load that faults in hundreds
         # of MiB of pages measured 4x slower than the next ones.
@@ -90,6 +89,6 @@ class ReadBuffers:
 
     def close(self) -> None:
         if self._pinned:
-            for i in range(self.count):
+            for i in range(self.memory.count):
                 unpin(self.memory.tensor[i])
         self.memory.close()
