@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import tempfile
 
 
@@ -61,22 +63,31 @@ def release_failed_temp_files(temp_dir: str) -> int:
     the temp file it was writing: the descriptor leaks, and with it the
     space the partial file holds, even after the file is deleted. On a disk
     that stays full, one leaks per failed chunk until the process runs out
-    of descriptors (and then cannot read either). Vineyard opens and closes
-    every file within a call, so after ``update`` returns any descriptor of
-    this process still open on a file under its temp folder is such a leak.
+    of descriptors (and then cannot read either).
+
+    Other threads of this process (the sweeper, removals) hold descriptors
+    under ``temp_dir`` too, and close them themselves. So a descriptor is
+    released only when it is proven vineyard's leak (:func:`_leaked_temp_file`):
+    a regular file, open for writing, whose path is vineyard's temp-file name
+    for this process. Nothing else in the process opens such a file for
+    writing, and vineyard keeps no file open past a call but the temp file
+    of a failed write (calls run one at a time). The proof is made on a duplicate of the
+    descriptor, so it holds for one open file even if the number is closed
+    and reused meanwhile; and a descriptor so proven is closed by no one
+    else, so its number still names that file when it is closed here. (The
+    numbers open before the call prove nothing more: the sweeper may close
+    one during the call and vineyard's leak get that number.)
     Returns how many were released."""
     prefix = temp_dir.rstrip(os.sep) + os.sep
+    pattern = _temp_file_pattern(os.getpid(), os.environ.get("POD_NAME"))
     released = 0
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
         return 0  # no procfs: nothing to find
     for name in fds:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if not target.startswith(prefix):
+        target = _leaked_temp_file(int(name), prefix, pattern)
+        if target is None:
             continue
         try:
             os.close(int(name))
@@ -89,3 +100,45 @@ def release_failed_temp_files(temp_dir: str) -> int:
         with contextlib.suppress(OSError):
             os.unlink(path)  # a partial file: the retry writes it anew
     return released
+
+
+#: A chunk's path below the root: 8 hex digits in folders of 2.
+_CHUNK_PATH = r"[0-9a-f]{2}(?:/[0-9a-f]{2}){3}"
+
+
+def _temp_file_pattern(pid: int, pod_name: str | None) -> re.Pattern[str]:
+    """Vineyard's temp file for a chunk, below its temp folder, as process
+    ``pid`` names it: ``<pid><chunk path>``, or with ``POD_NAME`` set
+    ``<POD_NAME>/<pid>-<i><chunk path>`` (``i``: the chunk's index in the
+    call)."""
+    if pod_name:
+        return re.compile(rf"{re.escape(pod_name)}/{pid}-[0-9]+{_CHUNK_PATH}")
+    return re.compile(rf"{pid}{_CHUNK_PATH}")
+
+
+def _leaked_temp_file(fd: int, prefix: str, pattern: re.Pattern[str]) -> str | None:
+    """What ``fd`` is open on (``/proc`` naming, `` (deleted)`` and all) if
+    it is vineyard's temp file below ``prefix``, open for writing; else
+    ``None``. Checked on a duplicate of ``fd`` (one open file throughout)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None  # closed meanwhile
+    try:
+        if not stat.S_ISREG(os.fstat(dup).st_mode):
+            return None
+        with open(f"/proc/self/fdinfo/{dup}", encoding="ascii") as info:
+            flags = next(
+                int(line.split()[1], 8) for line in info if line.startswith("flags:")
+            )
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            return None
+        target = os.readlink(f"/proc/self/fd/{dup}")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    finally:
+        os.close(dup)
+    inside = target.removesuffix(" (deleted)").removeprefix(prefix)
+    if inside == target or not pattern.fullmatch(inside):
+        return None
+    return target
