@@ -41,6 +41,7 @@ from vllm.worker.vineyard.storage.eviction import HIGH_WATER, LOW_WATER
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import MANIFEST, TEMP_DIR, write_manifest
 from vllm.worker.vineyard.storage.root_files import (
+    CLOCK_PROBE,
     ROOT_FILES,
     ROOT_SETTINGS,
     SWEEP_LOCK,
@@ -1076,3 +1077,57 @@ def test_a_host_whose_clock_lags_keeps_its_fresh_chunks(tmp_path: Path) -> None:
     assert s.sweep(now + 390)  # 390 s after ``now``: over the TTL
     assert s.take_stats()["expired_chunks"] == 4 + 3
     assert [p for p in (*old, *lagging) if p.exists()] == [hit]
+
+
+def write_now(path: Path) -> Path:
+    """A chunk file written now: its mtime stamped by the filesystem (on a
+    network filesystem, by its server's clock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(chunk_bytes(CHUNK_BYTES))
+    return path
+
+
+@pytest.mark.parametrize("skew_s", [-600.0, 600.0], ids=["behind", "ahead"])
+def test_a_pass_judges_last_uses_by_the_roots_clock(
+    tmp_path: Path, skew_s: float
+) -> None:
+    """The sweeping host's clock is 10 minutes off the clock that stamps the
+    root's mtimes (an NFS server's), the TTL 60 s: chunks written just now
+    stay, pass after pass; chunks unused for longer than the TTL by the
+    root's clock expire."""
+    real_now = time.time()
+    fresh = [write_now(chunk_path(tmp_path, i)) for i in range(4)]
+    stale = [put_file(chunk_path(tmp_path, 100 + i), real_now - 120) for i in range(2)]
+    s = RootSweeper(str(tmp_path), 1 << 40, 60.0, 3600.0)
+    with clock_off_by(skew_s):
+        assert s.sweep() and s.sweep()
+    assert s.take_stats()["expired_chunks"] == len(stale)
+    assert all(p.exists() for p in fresh)
+    assert not any(p.exists() for p in stale)
+    assert (tmp_path / CLOCK_PROBE).is_file()
+
+
+def test_without_its_clock_probe_a_pass_keeps_the_last_offset(
+    tmp_path: Path,
+) -> None:
+    """Where the root's clock cannot be read (the probe cannot be touched: a
+    read-only root, something planted at its path), a pass takes this
+    host's clock, corrected by the offset to the root's clock it measured
+    last (none: the host's clock as it is)."""
+    fresh = [write_now(chunk_path(tmp_path, i)) for i in range(4)]
+    stale = put_file(chunk_path(tmp_path, 100), time.time() - 120)
+    s = RootSweeper(str(tmp_path), 1 << 40, 60.0, 3600.0)
+    with clock_off_by(-600.0):
+        assert s.sweep()  # measures the offset
+        probe = tmp_path / CLOCK_PROBE
+        probe.unlink()
+        probe.mkdir()
+        assert s.sweep()
+    assert all(p.exists() for p in fresh) and not stale.exists()
+    assert s.take_stats()["expired_chunks"] == 1
+
+    stale = put_file(chunk_path(tmp_path, 101), time.time() - 120)
+    s = RootSweeper(str(tmp_path), 1 << 40, 60.0, 3600.0)
+    assert s.sweep()  # never measured: this host's clock (in sync here)
+    assert all(p.exists() for p in fresh) and not stale.exists()
+    assert probe.is_dir()

@@ -5,13 +5,15 @@ expiry by last use, least recently used first down to a target, and the
 high- and low-water marks of a budget.
 
 A chunk's mtime is its last use (vineyard sets it when the chunk is written
-and a verified hit sets it again). A last use further in the future than
-hosts' clocks differ (:data:`CLOCK_SKEW_S`) counts as the oldest, so a
-planted mtime cannot keep a chunk from eviction or expiry. On the past side
-(a writer whose clock is behind), :class:`ObservedLastUse` holds a chunk
-that appeared or changed since this host's previous pass as used no earlier
-than that pass began, by this host's clock: it is not expired or evicted
-first for its writer's clock.
+and a verified hit sets it again). Every ``now`` here is a pass's start by
+the clock it judges ages by: the clock that stamps the root's mtimes (see
+:mod:`~vllm.worker.vineyard.storage.sweeper`). A last use further in the
+future than clocks differ (:data:`CLOCK_SKEW_S`) counts as the oldest, so
+a planted mtime cannot keep a chunk from eviction or expiry. On the past
+side (a writer whose clock stamped it, and is behind),
+:class:`ObservedLastUse` holds a chunk that appeared or changed since this
+host's previous pass as used no earlier than that pass began: it is not
+expired or evicted first for its writer's clock.
 
 Imports neither vLLM nor torch (the sweeper runs in the backend process).
 """
@@ -55,7 +57,7 @@ class ObservedLastUse:
 
     def correct(self, chunks: list[ChunkFile], now: float) -> None:
         """Raise, in place, the mtimes of ``chunks`` found by a pass that
-        began at ``now`` (this host's clock) to their observed last use."""
+        began at ``now`` to their observed last use."""
         seen: dict[int, float] = {}
         raised: dict[int, tuple[float, float]] = {}
         for chunk in chunks:

@@ -3,9 +3,11 @@
 """The files a cache root holds for its upkeep, beside its namespaces
 (:data:`ROOT_FILES`): the sweepers' lock (``flock``: one process walks the
 root at a time), their usage ledger (:class:`Usage`: what writers share
-between walks) and the root's own settings (:class:`RootSettings`: its disk
-limit and TTL, whoever sweeps it). All are opened without following links
-and without blocking; none is ever removed.
+between walks), their clock probe (:func:`root_clock`: the time by the
+clock that stamps the root's mtimes) and the root's own settings
+(:class:`RootSettings`: its disk limit and TTL, whoever sweeps it). All are
+opened without following links and without blocking; none is ever
+removed.
 
 Imports neither vLLM nor torch (the sweeper runs in the backend process).
 """
@@ -32,7 +34,8 @@ from vllm.worker.vineyard.storage.safe_io import (
 SWEEP_LOCK = "__sweep.lock"
 USAGE_LEDGER = "__sweep.ledger"
 ROOT_SETTINGS = "__settings.json"
-ROOT_FILES = (SWEEP_LOCK, USAGE_LEDGER, ROOT_SETTINGS)
+CLOCK_PROBE = "__sweep.clock"
+ROOT_FILES = (SWEEP_LOCK, USAGE_LEDGER, ROOT_SETTINGS, CLOCK_PROBE)
 #: Largest settings file read (a real one is well under 1 KiB).
 MAX_SETTINGS_BYTES = 1 << 16
 
@@ -79,6 +82,19 @@ def flock_within(fd: int, wait_s: float, poll_s: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
+
+
+def root_clock(root: str) -> float:
+    """Now by the clock that stamps the root's mtimes: the new mtime of
+    :data:`CLOCK_PROBE`, touched to "now" (on a network filesystem the
+    server sets it, by its own clock, as it sets every mtime there). Raises
+    ``OSError`` when the probe cannot be touched (a read-only root)."""
+    fd = open_root_file(root, CLOCK_PROBE, writable=True)
+    try:
+        os.utime(fd)
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
 
 
 @dataclass

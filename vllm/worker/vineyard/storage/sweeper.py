@@ -5,7 +5,13 @@ its size, expires chunks by last use and removes what dead writers left.
 
 Each writer backend runs one sweeper over the whole root (every namespace,
 every instance's chunks). A chunk's mtime is its last use: vineyard sets it
-when the chunk is written and a verified hit sets it again. Each sweep:
+when the chunk is written and a verified hit sets it again. Mtimes are
+stamped by the clock of the root's filesystem (on NFS, the server's), so a
+pass judges ages by that clock too, read from a probe file it touches
+(:func:`~vllm.worker.vineyard.storage.root_files.root_clock`): a host whose
+own clock is off does not expire fresh chunks. Where the probe cannot be
+touched (a read-only root), a pass takes this host's clock, corrected by the
+offset measured last. Each sweep:
 
 - expires chunks unused for longer than the TTL (if one is set);
 - evicts the least recently used chunks when the root is over its budget
@@ -78,12 +84,14 @@ from vllm.worker.vineyard.storage.eviction import (
 )
 from vllm.worker.vineyard.storage.removal import remove_dir, remove_file
 from vllm.worker.vineyard.storage.root_files import (
+    CLOCK_PROBE,
     SWEEP_LOCK,
     RootSettings,
     flock_within,
     open_root_file,
     read_root_settings,
     record_root_settings,
+    root_clock,
 )
 from vllm.worker.vineyard.storage.safe_io import release
 from vllm.worker.vineyard.storage.scan import ChunkFile, RootScan, scan_root
@@ -94,9 +102,9 @@ logger = logging.getLogger(__name__)
 TEMP_MAX_AGE_S = 600.0
 #: Removed chunk paths kept for the next report (KV events), at most.
 MAX_REMOVED_REPORTED = 10_000
-#: A writer may be about to fill a new folder; its mtime is set by the
-#: clock of the host that made it, so this age also bounds the clock skew
-#: between hosts that this removal tolerates (like TEMP_MAX_AGE_S).
+#: A writer may be about to fill a new folder. Where clients stamp mtimes
+#: (not the root's server), this age also bounds the clock skew between
+#: hosts that this removal tolerates (like TEMP_MAX_AGE_S).
 EMPTY_DIR_MIN_AGE_S = 600.0
 #: Most entries that are not the cache's remembered as logged (each is
 #: logged once; past this many, no more are).
@@ -152,6 +160,9 @@ class RootSweeper:
         self._pass_lock = threading.Lock()
         self._last_pass = time.monotonic()
         self._lock_warned = False
+        # The root's clock minus this host's, as last measured.
+        self._clock_offset = 0.0
+        self._clock_warned = False
         self._usage = SharedUsage(root)
         self._last_use = ObservedLastUse()
         self.passes = 0
@@ -277,7 +288,8 @@ class RootSweeper:
 
     def sweep(self, now: float | None = None) -> bool:
         """One pass over the root, unless another process is running one
-        (holds the root's lock): then nothing, and False."""
+        (holds the root's lock): then nothing, and False. ``now``: the
+        time the pass judges ages by, instead of the root's clock."""
         if self._lost():
             return False
         with self._pass_lock:
@@ -418,7 +430,8 @@ class RootSweeper:
     def _pass(self, now: float | None, need: int) -> None:
         """``stat`` every entry once, then delete; over the high-water mark
         (``need`` bytes about to be written counted in), evict."""
-        now = time.time() if now is None else now
+        root_now = self._root_now()  # every pass: the offset stays measured
+        now = root_now if now is None else now
         self._follow_root_settings()
         with self._usage.hold() as usage:
             pending = usage.pending  # reserved before the scan: it counts them
@@ -440,6 +453,29 @@ class RootSweeper:
         self._record_usage(total, len(chunks), pending)
         self.passes += 1
         self._last_pass = time.monotonic()
+
+    def _root_now(self) -> float:
+        """Now by the clock that stamps the root's mtimes; where it cannot
+        be read, this host's clock corrected by the offset measured last
+        (warned once)."""
+        try:
+            now = root_clock(self.root)
+        except OSError as e:
+            if not self._clock_warned:
+                self._clock_warned = True
+                logger.warning(
+                    "vineyard cache sweeps of %s judge ages by this host's "
+                    "clock (%+.1f s: the offset to the root's clock last "
+                    "measured), as they cannot touch %s to read the root's "
+                    "(%s); logged once",
+                    self.root,
+                    self._clock_offset,
+                    CLOCK_PROBE,
+                    e,
+                )
+            return time.time() + self._clock_offset
+        self._clock_offset = now - time.time()
+        return now
 
     def _record_usage(self, total: int, num_chunks: int, pending: int) -> None:
         """What this pass measured, in the root's usage (``pending``: what
