@@ -7,6 +7,7 @@ cache's own entries only."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from typing import Any, TextIO
@@ -17,6 +18,7 @@ from vllm.worker.vineyard.cli.output import human, print_json
 from vllm.worker.vineyard.storage.eviction import distrust_future, evict_lru
 from vllm.worker.vineyard.storage.namespaces import is_namespace_name
 from vllm.worker.vineyard.storage.removal import remove_dir, remove_file
+from vllm.worker.vineyard.storage.root_files import root_clock
 from vllm.worker.vineyard.storage.scan import (
     ChunkFile,
     NamespaceScan,
@@ -134,8 +136,13 @@ def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
     def pretend(chunk: ChunkFile) -> bool:
         return True
 
-    # The sweeper's order: least recently used first.
-    distrust_future(chunks, time.time())
+    # The sweeper's order: least recently used first, by the root's clock
+    # (a dry run writes nothing, not even the clock probe).
+    now = time.time()
+    if not args.dry_run:
+        with contextlib.suppress(OSError):
+            now = root_clock(root)
+    distrust_future(chunks, now)
     done, removed, after = evict_lru(
         chunks, before, args.to, pretend if args.dry_run else remove
     )
