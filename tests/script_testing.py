@@ -28,7 +28,11 @@ def load_script(path: Path, name: str) -> ModuleType:
 
 
 def mount_slow_fs(
-    work: Path, latency_ms: float = 0.0, io_latency_ms: float = 0.0
+    work: Path,
+    latency_ms: float = 0.0,
+    io_latency_ms: float = 0.0,
+    read_mbps: float = 0.0,
+    direct_io: bool = False,
 ) -> Any:
     """The benchmark's FUSE filesystem (``benchmarks/vineyard/slow_fs.py``, a
     passthrough that can be slowed or frozen) mounted under ``work``; the
@@ -40,7 +44,7 @@ def mount_slow_fs(
     if why is not None:
         pytest.skip(f"no FUSE filesystem here: {why}")
     try:
-        return SlowFs(work, latency_ms, io_latency_ms)
+        return SlowFs(work, latency_ms, io_latency_ms, read_mbps, direct_io)
     except RuntimeError as e:  # e.g. a container without FUSE permission
         log = (work / "fuse.log").read_text()[-2000:]
         pytest.skip(f"the FUSE filesystem did not mount here: {e}\n{log}")

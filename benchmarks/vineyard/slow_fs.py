@@ -1,15 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A passthrough FUSE filesystem that makes a cache root slow or frozen, as a
-remote filesystem can be: every ``stat`` (getattr) and ``open``/``create``
-waits ``--latency-ms`` first; with ``--io-latency-ms`` the first ``read``
-of each open file (the round trip before the first byte; later reads are
-read ahead) and every ``fsync`` (a commit on the server) wait too; while
+"""A passthrough FUSE filesystem that makes a cache root slow, thin, faulty
+or frozen, as a remote filesystem can be: every ``stat`` (getattr) and
+``open``/``create`` waits ``--latency-ms`` first; with ``--io-latency-ms``
+the first ``read`` of each open file (the round trip before the first byte;
+later reads are read ahead) and every ``fsync`` (a commit on the server)
+wait too; with ``--read-mbps`` every read shares one link of that many
+MB/s (``--direct-io``, implied: every read reaches the daemon, none is
+answered from the kernel's page cache); while
 ``--freeze-file`` exists every operation blocks (a server that stops
 answering).
 
     python benchmarks/vineyard/slow_fs.py BACKING_DIR MOUNTPOINT \
-        [--latency-ms 20] [--io-latency-ms 20] [--freeze-file PATH]
+        [--latency-ms 20] [--io-latency-ms 20] [--read-mbps 16] \
+        [--direct-io] [--freeze-file PATH] [--control-file PATH]
+
+The control file (JSON, written whole by :meth:`SlowFs.set`) changes them
+while mounted: ``latency_ms``, ``io_latency_ms``, ``read_mbps`` (0: no
+cap; mount with ``--direct-io`` to cap later) and ``eio`` (paths below the
+mount whose files fail every read with EIO, as a file in split-brain does;
+a file put at such a path later reads fine).
 
 Runs in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``) or
 killed. Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` (PyPI).
@@ -20,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +47,13 @@ except (ImportError, OSError) as e:  # no libfuse: SlowFs says why
     fuse = None
     _IMPORT_ERROR = f"mfusepy unusable: {e}"
 
-_STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks")
+# st_ino too: a network filesystem's inode numbers are stable (FUSE's own
+# node ids change whenever the kernel forgets an entry).
+_STAT_FIELDS = (
+    "st_ino", "st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks"
+)  # fmt: skip
+#: utimensat's special nanosecond values (as FUSE passes them, in ns).
+_UTIME_NOW, _UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
 _TIME_FIELDS = ("st_atime", "st_mtime", "st_ctime")
 
 
@@ -55,17 +74,27 @@ class SlowFs:
     caching a ``stat`` of a file is two calls here (lookup, getattr), so it
     costs about twice ``latency_ms`` (:meth:`stat_latency_ms` measures)."""
 
-    def __init__(self, work: Path, latency_ms: float = 0.0, io_latency_ms: float = 0.0):
+    def __init__(
+        self,
+        work: Path,
+        latency_ms: float = 0.0,
+        io_latency_ms: float = 0.0,
+        read_mbps: float = 0.0,
+        direct_io: bool = False,
+    ):
         self.backing = work / "backing"
         self.mount = work / "mount"
         self.freeze_file = work / "freeze"
+        self.control_file = work / "control.json"
         self.backing.mkdir(parents=True)
         self.mount.mkdir(parents=True)
         self._log = open(work / "fuse.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(self.backing),
              str(self.mount), "--latency-ms", str(latency_ms), "--io-latency-ms",
-             str(io_latency_ms), "--freeze-file", str(self.freeze_file)],
+             str(io_latency_ms), "--read-mbps", str(read_mbps), "--freeze-file",
+             str(self.freeze_file), "--control-file", str(self.control_file),
+             *(["--direct-io"] if direct_io or read_mbps else [])],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -80,6 +109,20 @@ class SlowFs:
             self.freeze_file.touch()
         else:
             self.freeze_file.unlink(missing_ok=True)
+
+    def set(self, **control: Any) -> None:
+        """Change ``latency_ms``, ``io_latency_ms``, ``read_mbps`` or
+        ``eio`` (paths below :attr:`mount`) from the next operation on."""
+        doc = (
+            json.loads(self.control_file.read_text())
+            if self.control_file.exists()
+            else {}
+        )
+        doc.update(control)
+        doc["eio"] = [os.path.relpath(p, self.mount) for p in doc.get("eio", [])]
+        tmp = self.control_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.control_file)
 
     def stat_latency_ms(self, repeats: int = 5) -> float:
         """What one ``stat`` of a file costs through the mount (ms)."""
@@ -111,23 +154,67 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
     use_ns = True
 
     def __init__(
-        self, backing: str, latency_s: float, io_latency_s: float, freeze_file: str
+        self,
+        backing: str,
+        latency_s: float,
+        io_latency_s: float,
+        freeze_file: str,
+        read_mbps: float = 0.0,
+        control_file: str = "",
     ):
         self.backing = os.path.realpath(backing)
         self.latency_s = latency_s
         self.io_latency_s = io_latency_s
+        self.read_bps = read_mbps * 1e6
+        self.eio: set[int] = set()  # inodes of the files that fail reads
         self.freeze_file = freeze_file
+        self.control_file = control_file
+        self._control_mtime = 0
         self._read_from: set[int] = set()  # open files read from (not again slow)
+        # The read link: when it is free again (monotonic).
+        self._link_lock = threading.Lock()
+        self._link_free_at = 0.0
 
     def _path(self, path: str) -> str:
         return os.path.join(self.backing, path.lstrip("/"))
 
+    def _follow_control(self) -> None:
+        try:
+            mtime = os.stat(self.control_file).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._control_mtime:
+            return
+        self._control_mtime = mtime
+        with contextlib.suppress(OSError, ValueError):
+            with open(self.control_file) as f:
+                doc = json.load(f)
+            self.latency_s = doc.get("latency_ms", self.latency_s * 1e3) / 1e3
+            self.io_latency_s = doc.get("io_latency_ms", self.io_latency_s * 1e3) / 1e3
+            self.read_bps = doc.get("read_mbps", self.read_bps / 1e6) * 1e6
+            self.eio = set()
+            for path in doc.get("eio", []):
+                with contextlib.suppress(OSError):
+                    self.eio.add(os.lstat(self._path(path)).st_ino)
+
     def _gate(self, slow: bool, latency_s: float | None = None) -> None:
         while self.freeze_file and os.path.exists(self.freeze_file):
             time.sleep(0.05)
+        if self.control_file:
+            self._follow_control()
         latency_s = self.latency_s if latency_s is None else latency_s
         if slow and latency_s:
             time.sleep(latency_s)
+
+    def _through_the_link(self, nbytes: int) -> None:
+        """Wait for ``nbytes`` to cross the shared read link."""
+        if not self.read_bps:
+            return
+        with self._link_lock:
+            now = time.monotonic()
+            self._link_free_at = max(now, self._link_free_at) + nbytes / self.read_bps
+            done_at = self._link_free_at
+        time.sleep(max(0.0, done_at - time.monotonic()))
 
     # ---- metadata (slow) ---------------------------------------------------
 
@@ -169,7 +256,11 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         first = fh not in self._read_from
         self._read_from.add(fh)
         self._gate(slow=first, latency_s=self.io_latency_s)
-        return os.pread(fh, size, offset)
+        if self.eio and os.fstat(fh).st_ino in self.eio:
+            raise OSError(errno.EIO, "injected I/O error")
+        data = os.pread(fh, size, offset)
+        self._through_the_link(len(data))
+        return data
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         self._gate(slow=False)
@@ -229,8 +320,16 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         self._gate(slow=False)
         if times is None:
             os.utime(self._path(path))
-        else:
-            os.utime(self._path(path), ns=times)
+            return 0
+        st, now = os.lstat(self._path(path)), time.time_ns()
+        current = (st.st_atime_ns, st.st_mtime_ns)
+        os.utime(
+            self._path(path),
+            ns=tuple(  # type: ignore[arg-type]
+                now if t == _UTIME_NOW else old if t == _UTIME_OMIT else t
+                for t, old in zip(times, current, strict=True)
+            ),
+        )
         return 0
 
     def statfs(self, path: str) -> dict[str, int]:
@@ -248,7 +347,10 @@ def main() -> None:
     parser.add_argument("mountpoint")
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--io-latency-ms", type=float, default=0.0)
+    parser.add_argument("--read-mbps", type=float, default=0.0)
     parser.add_argument("--freeze-file", default="")
+    parser.add_argument("--control-file", default="")
+    parser.add_argument("--direct-io", action="store_true")
     args = parser.parse_args()
     fuse.FUSE(
         SlowPassthrough(
@@ -256,14 +358,19 @@ def main() -> None:
             args.latency_ms / 1e3,
             args.io_latency_ms / 1e3,
             args.freeze_file,
+            args.read_mbps,
+            args.control_file,
         ),
         args.mountpoint,
         foreground=True,
         nothreads=False,
         allow_other=False,
-        # Every stat must reach us (no kernel attribute cache).
+        # Every stat must reach us (no kernel attribute cache); with a read
+        # link, every read too (no page cache in front of it).
         attr_timeout=0,
         entry_timeout=0,
+        use_ino=True,
+        direct_io=args.direct_io or args.read_mbps > 0,
     )
 
 
