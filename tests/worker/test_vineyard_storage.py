@@ -52,7 +52,6 @@ from vllm.worker.vineyard.storage.chunks import (
     extend_digests,
     synthetic_ids,
 )
-from vllm.worker.vineyard.storage.layout import weights_fingerprint
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -592,22 +591,6 @@ def test_what_changes_kv_bytes_changes_the_namespace(
     layout = small_cache.layout
     changed: Any = {field: value}
     assert dataclasses.replace(layout, **changed).namespace != layout.namespace
-
-
-def test_weights_fingerprint_follows_the_checkpoint(tmp_path: Path) -> None:
-    """A checkpoint updated in place at the same path gets another
-    fingerprint; the same files elsewhere (another host) the same one."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": 64}')
-    (model / "model.safetensors").write_bytes(b"weights-v1" * 1000)
-    first = weights_fingerprint(str(model), None)
-    copy = tmp_path / "copy"
-    shutil.copytree(model, copy)
-    assert weights_fingerprint(str(copy), None) == first
-    (model / "model.safetensors").write_bytes(b"weights-v2" * 1000)
-    assert weights_fingerprint(str(model), None) != first
-    assert weights_fingerprint("org/name", "abc123") == "revision:abc123"
 
 
 def _modes(root: str) -> tuple[set[int], set[int]]:

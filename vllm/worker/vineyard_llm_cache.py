@@ -20,6 +20,7 @@ shared memory; only block ids cross the process boundary.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -33,6 +34,7 @@ from vllm.logger import init_logger
 from vllm.worker.vineyard.backend.client import BackendProcess
 from vllm.worker.vineyard.backend.protocol import (
     BackendError,
+    RemoveRequest,
     StatsRequest,
     UpdateRequest,
 )
@@ -238,11 +240,20 @@ class _PinnedTensorPool:
         self._pinned.clear()
 
 
+class _Fence:
+    """Wakes the updater to remove what fenced tasks stored."""
+
+
 class _AsyncUpdater:
     """Writes update tasks to vineyard one at a time, in issue order.
 
     Order matters: vineyard drops an update whose prefix chunks are not cached
     yet. Every task's buffer goes back to the pool whatever happens to it.
+
+    A reset fences the tasks staged before it (:meth:`fence`): those still
+    queued are dropped, and what the last ones written stored (the one in
+    flight, and those that landed after the reset but before the worker
+    learned of it: at most one per buffer) is removed with ``remove``.
     """
 
     def __init__(
@@ -254,16 +265,22 @@ class _AsyncUpdater:
         drain_timeout_s: float,
         on_failed: Callable[[UpdateTask], None] | None = None,
         on_idle: Callable[[], None] | None = None,
+        remove: Callable[[UpdateTask], None] | None = None,
     ):
         self._write = write
         self._pool = pool
         self._metrics = metrics
-        # Both are called on the updater's thread.
+        # All are called on the updater's thread.
         self._on_failed, self._on_idle = on_failed, on_idle
+        self._remove = remove
         self._block_size = block_size
         self._drain_timeout_s = drain_timeout_s
         self._deadline = 0.0
-        self._queue: queue.SimpleQueue[UpdateTask | None] = queue.SimpleQueue()
+        self._fence = 0  # tasks of an older generation are not written
+        self._written: collections.deque[UpdateTask] = collections.deque(
+            maxlen=pool.max_buffers + 1
+        )
+        self._queue: queue.SimpleQueue[UpdateTask | _Fence | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._closed = False
         #: When each reason of a failed update was last logged.
@@ -280,6 +297,31 @@ class _AsyncUpdater:
             return
         self._metrics.add("updates_submitted")
         self._queue.put(task)
+
+    def fence(self, generation: int) -> None:
+        """Tasks of a generation before ``generation`` are not written, and
+        what the last ones written stored is removed. Never blocks."""
+        self._fence = generation
+        self._queue.put(_Fence())
+
+    def _remove_fenced(self) -> None:
+        """Remove what the tasks written before the fence stored."""
+        fenced = [t for t in self._written if t.generation < self._fence]
+        self._written = collections.deque(
+            (t for t in self._written if t.generation >= self._fence),
+            maxlen=self._written.maxlen,
+        )
+        for task in fenced:
+            if self._remove is not None and any(task.stored):
+                try:
+                    self._remove(task)
+                except Exception as e:  # noqa: BLE001 - the engine must go on
+                    logger.warning(
+                        "vineyard cache could not remove chunks written before "
+                        "a reset (never loaded by this instance): %s",
+                        e,
+                    )
+            self._metrics.add("updates_fenced")
 
     def _finish(self, task: UpdateTask, outcome: str) -> None:
         task.outcome = outcome
@@ -321,6 +363,9 @@ class _AsyncUpdater:
         bs = self._block_size
         self._metrics.add("tokens_written", result.blocks_written * bs)
         self._metrics.add("tokens_rejected", result.blocks_rejected * bs)
+        self._written.append(task)
+        if task.generation < self._fence:  # fenced while it was written
+            self._remove_fenced()
         if result.write_error is not None:
             self._fail(task, result.write_error)
         else:
@@ -337,7 +382,11 @@ class _AsyncUpdater:
                 continue
             if task is None:
                 return
-            if self._stopping.is_set() and time.monotonic() > self._deadline:
+            if isinstance(task, _Fence):
+                self._remove_fenced()
+            elif task.generation < self._fence:
+                self._finish(task, "fenced")
+            elif self._stopping.is_set() and time.monotonic() > self._deadline:
                 self._finish(task, "dropped")
             else:
                 self._execute(task)
@@ -424,6 +473,9 @@ class VineyardLLMCache:
         self._pool = _PinnedTensorPool(
             self._write_memory, min(config.min_inflight_tasks, num_buffers), num_buffers
         )
+        # The last staging copy (on a device, asynchronous): buffers are
+        # unpinned only after it.
+        self._last_copy: torch.cuda.Event | None = None
         self._readers: list[BackendProcess] = []
         self._writer: BackendProcess | None = None
         self._updater: _AsyncUpdater | None = None
@@ -471,6 +523,7 @@ class VineyardLLMCache:
             config.drain_timeout_s,
             on_failed=self._saves.rewind,
             on_idle=self._poll_writer_stats,
+            remove=self._remove_from_backend,
         )
         logger.info(
             "vineyard cache on at %s (chunk %d tokens, %s updates, %d update "
@@ -489,6 +542,11 @@ class VineyardLLMCache:
         segments = [s.request() for s in task.segments]
         reply = self._calls.call(self._writer, UpdateRequest(task.buffer_id, segments))
         return self._saves.book(task, reply.stored)
+
+    def _remove_from_backend(self, task: UpdateTask) -> None:
+        assert self._writer is not None
+        chunks = task.stored_chunks(self.layout.blocks_per_chunk)
+        self._calls.call(self._writer, RemoveRequest(chunks))
 
     def _poll_writer_stats(self) -> None:
         if self._writer is not None and self._writer.disabled_reason is None:
@@ -524,7 +582,7 @@ class VineyardLLMCache:
             return False
         segments, src_blocks = self._saves.take_segments(pending, self.max_blocks)
         staging = self._pool.buffer(buffer_id)[: len(src_blocks)]
-        copy_done = self._kv.gather(src_blocks, staging)
+        copy_done = self._last_copy = self._kv.gather(src_blocks, staging)
         # The updater waits for an asynchronous (CUDA) copy before writing.
         task = UpdateTask(buffer_id, segments, self._saves.generation, copy_done)
         assert self._updater is not None
@@ -540,18 +598,25 @@ class VineyardLLMCache:
         stored since the last call, in write order."""
         return self._saves.take_stored()
 
-    def forget_saved(self) -> None:
-        """The root was reset (its chunk files removed): every request saves
-        again from the scheduler's ``save_from``, and what writes issued
-        before now store is never reported (a file that such a write
-        published may have been removed after it), so nothing is announced
-        for a file that is gone."""
+    def fence(self) -> None:
+        """The cache was reset: every request saves again from the
+        scheduler's ``save_from``; writes staged before now are dropped, or
+        what they stored is removed, and never reported; loads still going
+        are recomputed."""
         self._saves.forget_saved()
+        if self._updater is not None:
+            self._updater.fence(self._saves.generation)
+        self.loads.fence()
 
     def take_removed_paths(self) -> list[str]:
         """Chunk files removed from the root since the last call (by this
         rank's sweeps, or found corrupt by its reader)."""
         return self._calls.take_removed_paths()
+
+    def take_unreadable(self) -> list[tuple[str, int, int]]:
+        """Chunk files this rank's readers could not read since the last
+        call (path below the namespace, inode, mtime in ns)."""
+        return self._calls.take_unreadable()
 
     def release(self, req_id: str) -> None:
         """Forget a request's resume point (its blocks are being freed)."""
@@ -573,6 +638,8 @@ class VineyardLLMCache:
             logger.warning("vineyard cache updater thread did not stop")
         for reader in self._readers:
             reader.close()
+        if self._last_copy is not None:
+            self._last_copy.synchronize()  # copies of tasks dropped unwritten
         self._pool.close()
         self._write_memory.close()
         self._read_buffers.close()

@@ -53,6 +53,14 @@ COUNTERS: dict[str, str] = {
     "that died, removed.",
     "backend_restarts": "Restarts of a vineyard backend process.",
     "backend_start_failures": "Caches that could not start (the cache is off).",
+    "unidentified_weights": "Requests served without the cache because the "
+    "weights of their LoRA adapter could not be identified (or not within the "
+    "lookup timeout), and engines serving without it because their model's "
+    "weights could not be identified.",
+    "updates_fenced": "Updates dropped, or their chunks removed, because the "
+    "cache was reset after they were staged.",
+    "reset_failures": "Cache resets whose removal of chunk files did not "
+    "finish (the reset's fence holds regardless).",
     "unsupported_models": "Engines serving without the cache because their "
     "model's KV cache is not supported (several KV cache groups, Mamba state, "
     "attention other than full or sliding window).",

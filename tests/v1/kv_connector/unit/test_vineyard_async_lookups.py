@@ -15,7 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from tests.vineyard_testing import wait_until
 from vllm.worker.vineyard.connector.lookups import (
+    MAX_STUCK_THREADS,
     BackgroundLookups,
     VineyardCacheLookup,
 )
@@ -33,6 +35,8 @@ class GatedLookup:
         self.held: dict[int, threading.Event] = {}
         self.took_s: dict[int, float] = {}  # a slow (not hung) filesystem
         self.calls = 0
+        self._lock = threading.Lock()
+        self.in_gate: set[threading.Thread] = set()  # threads held now
 
     def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
@@ -40,7 +44,12 @@ class GatedLookup:
         self.calls += 1
         gate = self.held.get(num_tokens)
         if gate is not None:
+            me = threading.current_thread()
+            with self._lock:
+                self.in_gate.add(me)
             gate.wait()
+            with self._lock:
+                self.in_gate.discard(me)
         time.sleep(self.took_s.get(num_tokens, 0.0))
         return num_tokens - 1 - num_local_tokens, num_tokens
 
@@ -119,8 +128,8 @@ def test_a_lookup_past_its_deadline_is_a_counted_miss_and_later_ones_go_on(
     assert ask(lookups, "hung", 300) is None
     behind = ask(lookups, "behind", 50)  # queued behind the hung one
     assert behind is None
-    time.sleep(0.4)
-    assert until_answered(lookups, "hung", 300) == (0, 0)  # a miss
+    # Asked step after step: pending until its deadline, then a miss.
+    assert until_answered(lookups, "hung", 300) == (0, 0)
     assert lookups.metrics.totals["lookup_timeouts"] == 1
     # A new thread took over the queue: the request behind it is answered
     # (it may itself have passed the deadline while queued: then a miss).
@@ -194,3 +203,64 @@ def test_time_in_the_queue_is_not_stuck_time(
     assert gated.calls == 5
     assert not [r for r in caplog.records if "stuck" in r.getMessage()]
     lookups.close()
+
+
+def test_threads_back_from_a_slow_filesystem_work_again(gated: GatedLookup) -> None:
+    """Slow-filesystem episodes, one after another: every working lookup
+    thread is stuck past the timeout, then the filesystem answers. In each
+    episode, the fourth included, a replacement thread is started and other
+    requests are answered; the abandoned threads are only those still stuck
+    (a thread that comes back works again or exits); the live threads stay
+    bounded (one working, plus those stuck)."""
+    before = set(threading.enumerate())
+    lookups = make(gated, timeout_s=1.0)
+
+    def live() -> list[threading.Thread]:
+        return [
+            t
+            for t in threading.enumerate()
+            if t.name == "vineyard-cache-lookup" and t not in before
+        ]
+
+    assert wait_until(lambda: len(live()) == 1)
+    for episode in range(4):
+        gate = threading.Event()
+        # Hold every live thread, each in a lookup of its own.
+        stuck = len(live())
+        for j in range(stuck):
+            num_tokens = 1000 + 10 * episode + j
+            gated.held[num_tokens] = gate
+            lookups.begin_step()
+            assert ask(lookups, f"stuck-{episode}-{j}", num_tokens) is None
+
+        def all_held(n: int = stuck) -> bool:
+            return len(gated.in_gate) == n
+
+        assert wait_until(all_held), episode
+
+        def replaced(n: int = stuck) -> bool:
+            lookups.begin_step()
+            return len(live()) > n
+
+        assert wait_until(replaced), f"episode {episode}: no replacement thread"
+        num_tokens = 100 + episode
+        answer = until_answered(lookups, f"fresh-{episode}", num_tokens)
+        assert answer == (num_tokens - 1, num_tokens), episode
+        with lookups._lock:
+            abandoned = list(lookups._abandoned)
+        assert sorted(map(id, abandoned)) == sorted(map(id, gated.in_gate))
+        assert len(live()) <= MAX_STUCK_THREADS + 1
+
+        gate.set()  # the filesystem answers
+
+        def recovered() -> bool:
+            lookups.begin_step()
+            return not lookups._abandoned and len(live()) == 1
+
+        assert wait_until(recovered), (
+            f"episode {episode}: {len(lookups._abandoned)} abandoned, "
+            f"{len(live())} live"
+        )
+    assert lookups.metrics.totals["lookup_timeouts"] == 0
+    lookups.close()
+    assert wait_until(lambda: not live())

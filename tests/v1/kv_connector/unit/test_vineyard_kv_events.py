@@ -41,9 +41,12 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     create_request,
     create_scheduler,
     create_vllm_config,
+    epoch_of,
     make_model_dir,
 )
 from tests.vineyard_testing import resume_processes
+from vllm.worker.vineyard.connector.request_keys import request_keys
+from vllm.worker.vineyard.connector.scheduler import RESET_WAIT_S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,11 +145,14 @@ def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
 
     def check(event: Any) -> None:
         if isinstance(event, BlockStored) and event.medium == MEDIUM_STORAGE:
-            # Blocks of generated tokens too: the request as it is now.
+            # Blocks of generated tokens too: the request as it is now,
+            # named in the scheduler's epoch (a reset gives a new one).
             live = [maybe_convert_block_hash(h) for h in request.block_hashes]
             tokens = list(request.all_token_ids)
+            seed = request_keys(request, BLOCK_SIZE, epoch=epoch_of(engine)).seed
             for h in event.block_hashes:
-                if not os.path.exists(worker.chunk_path(tokens, live.index(h))):
+                path = worker.chunk_path(tokens, live.index(h), seed)
+                if not os.path.exists(path):
                     missing.append(live.index(h))
 
     published = Published(engine, check)
@@ -178,14 +184,14 @@ def test_no_block_stored_for_a_file_a_reset_removed(tmp_path: Path) -> None:
     worker.close()
 
 
-def test_a_reset_on_a_hung_root_gives_up_after_the_backend_timeout(
+def test_a_reset_on_a_hung_root_returns_at_once_and_says_so_later(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``reset_cache`` on a root that stops answering (a FUSE root frozen)
-    removes nothing and says so within the backend timeout: its scan and
-    removals run in a lookup process that is abandoned, so the scheduler's
-    process is never stuck in the filesystem. Once the root answers again,
-    a reset removes the instance's chunks."""
+    returns within its wait, its fence in force, while the removal goes on
+    in a lookup process (abandoned after the backend timeout): the engine
+    keeps stepping, and the failed removal is logged and counted. Once the
+    root answers again, a reset removes the instance's chunks."""
     fs = mount_slow_fs(tmp_path / "fs")
     try:
         model = make_model_dir(tmp_path / "model")
@@ -200,10 +206,17 @@ def test_a_reset_on_a_hung_root_gives_up_after_the_backend_timeout(
             assert os.path.exists(worker.chunk_path(prompt, 0))
             fs.freeze(True)
             start = time.monotonic()
-            assert not engine.scheduler.reset_connector_cache()
-            assert time.monotonic() - start < 1.0 + 4.0
-            assert any("did not finish" in r.getMessage() for r in caplog.records)
+            assert engine.scheduler.reset_connector_cache()
+            assert time.monotonic() - start < RESET_WAIT_S + 1.0
+            engine.add(create_request("during", fresh_tokens(BLOCK_SIZE), 2))
+            engine.run_until(
+                lambda _: any(
+                    "did not finish" in r.getMessage() for r in caplog.records
+                )
+            )
+            assert engine.counter("reset_failures") == 1
             fs.freeze(False)
+            engine.drain()
             assert engine.scheduler.reset_connector_cache()
             assert not os.path.exists(worker.chunk_path(prompt, 0))
         finally:

@@ -343,9 +343,12 @@ class FakeWorker:
     def wait_for_writes(self, timeout_s: float = 30.0) -> None:
         wait_for_writes(self.cache, timeout_s)
 
-    def chunk_path(self, tokens: Sequence[int], chunk: int) -> str:
-        """The file of chunk ``chunk`` of a prompt in this rank's namespace."""
-        ids = synthetic_ids(extend_digests([], list(tokens), BLOCK_SIZE))
+    def chunk_path(
+        self, tokens: Sequence[int], chunk: int, seed: str | None = None
+    ) -> str:
+        """The file of chunk ``chunk`` of a prompt in this rank's namespace
+        (``seed``: the digest chain's, see ``request_keys``)."""
+        ids = synthetic_ids(extend_digests([], list(tokens), BLOCK_SIZE, seed))
         bpc = self.layout.blocks_per_chunk
         return self.cache.files.path(ids[: (chunk + 1) * bpc])
 
@@ -535,6 +538,14 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.shutdown()
+
+
+def epoch_of(engine: Engine) -> str | None:
+    """The scheduler connector's epoch (a reset starts a new one)."""
+    connector = engine.scheduler.connector
+    assert isinstance(connector, VineyardConnector)
+    assert connector._scheduler is not None
+    return connector._scheduler._epoch
 
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:

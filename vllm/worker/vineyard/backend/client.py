@@ -142,6 +142,35 @@ class _Watch:
     starved_s: float = 0.0  # the rest: runnable, without a CPU
 
 
+class BackendRun:
+    """One run of a backend process (a restart starts another), as the
+    requests sent to it see it: the shared memory a request names (a buffer
+    to read into) is the process's until it answers, or, if it was given up
+    on first, until it is gone. A process killed in the middle of a
+    filesystem call (uninterruptible) exits only when the call returns, and
+    a read then still lands in its buffer."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self._proc = proc
+        #: Stopped (killed, or found dead) by its handle: a request in
+        #: flight then was never answered.
+        self.stopped = False
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def gone(self) -> bool:
+        """Whether the process has exited, every thread of it (``waitpid``
+        says so: its memory is unmapped). Never waits."""
+        return self._proc.poll() is not None
+
+    def may_still_write(self) -> bool:
+        """Whether memory a request named may still be written by this
+        process: it was stopped before it answered, and is not gone."""
+        return self.stopped and not self.gone()
+
+
 #: Longest close() waits for a call or start that holds the handle after
 #: the process was killed (a kill ends them at once unless the process is
 #: stuck in the kernel, e.g. on a dead filesystem).
@@ -192,11 +221,14 @@ class BackendProcess:
         self._watch = _Watch(None, 0.0, 0.0, None)
         self._everywhere = False  # the process may run on every core
         # Callers that must never wait (the forward thread) get an error at
-        # once while the process is restarted on a thread of its own.
+        # once while the process is restarted on a thread of its own, and a
+        # process given up on is killed without waiting: a thread of its own
+        # reaps it (see :class:`BackendRun`).
         self._restart_in_background = restart_in_background
         self._restarter: threading.Thread | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._run: BackendRun | None = None  # of ``_proc``
         self._conn: Connection | None = None
         self._in_flight: str | None = None  # the op sent and not yet received
         # Spawned, not yet ready (see ``wait``).
@@ -318,6 +350,7 @@ class BackendProcess:
             # Set while it starts: close() kills it from another thread.
             self._starting = None
         self._proc, self._conn = proc, conn
+        self._run = BackendRun(proc)
         self._everywhere = False  # a new process starts off the worker's cores
 
     def _reap(self, proc: subprocess.Popen[bytes]) -> None:
@@ -328,7 +361,38 @@ class BackendProcess:
         except subprocess.TimeoutExpired:
             logger.warning("vineyard backend pid %d did not exit", proc.pid)
 
-    def _stop_locked(self) -> None:
+    def _reap_later(self, proc: subprocess.Popen[bytes]) -> None:
+        """Kill ``proc`` and return at once; a thread of its own waits for
+        it to exit (for as long as it takes: one stuck in the kernel exits
+        when its call returns)."""
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+        def reap() -> None:
+            try:
+                proc.wait(timeout=self._exit_wait_s)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "vineyard %s backend pid %d did not exit %.0f s after it "
+                    "was killed (stuck in the kernel?); waiting for it",
+                    self.name,
+                    proc.pid,
+                    self._exit_wait_s,
+                )
+                proc.wait()
+
+        # Without a thread (none can start), whoever asks BackendRun.gone()
+        # reaps it.
+        with contextlib.suppress(RuntimeError):
+            threading.Thread(
+                target=reap, name=f"vineyard-{self.name}-reap", daemon=True
+            ).start()
+
+    def _stop_locked(self, wait: bool = True) -> None:
+        """Stop the process; ``wait=False``: never wait for it to exit
+        (for the callers of a backend restarted in the background)."""
         self._in_flight = None
         if self._starting is not None:
             proc, conn = self._starting
@@ -339,7 +403,12 @@ class BackendProcess:
             self._conn.close()
             self._conn = None
         if self._proc is not None:
-            self._reap(self._proc)
+            if self._run is not None:
+                self._run.stopped = True
+            if wait:
+                self._reap(self._proc)
+            else:
+                self._reap_later(self._proc)
             self._proc = None
 
     def _ensure_running_locked(self) -> Connection:
@@ -381,13 +450,14 @@ class BackendProcess:
 
     def _fail_locked(self, error: Exception) -> BackendError:
         code = self._proc.poll() if self._proc else None
-        self._stop_locked()
+        self._stop_locked(wait=not self._restart_in_background)
         return BackendError(f"{self.name} backend died (exit code {code}): {error}")
 
-    def send(self, request: Request[Any]) -> None:
-        """Send a request; :meth:`receive` gets its answer. With
-        ``restart_in_background`` a dead process is restarted on another
-        thread, and calls fail at once until it is up."""
+    def send(self, request: Request[Any]) -> BackendRun:
+        """Send a request; :meth:`receive` gets its answer. Returns the run
+        of the process it went to. With ``restart_in_background`` a dead
+        process is restarted on another thread, and calls fail at once
+        until it is up."""
         if self._restart_in_background:
             if not self._lock.acquire(blocking=False):
                 raise BackendError(f"{self.name} backend is restarting")
@@ -403,6 +473,8 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = request.op
+            assert self._run is not None
+            run = self._run
             now = time.monotonic()
             seen = _sample(self._pid(), self._disk_stat)
             self._watch = _Watch(
@@ -413,6 +485,7 @@ class BackendProcess:
             )
         finally:
             self._lock.release()
+        return run
 
     def _pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -524,7 +597,7 @@ class BackendProcess:
                 late = self._wait_for_answer_locked(conn, timeout)
                 if late is not None:
                     # A late answer would be read as the next request's.
-                    self._stop_locked()
+                    self._stop_locked(wait=not self._restart_in_background)
                     raise BackendError(
                         f"{self.name} backend did not answer {op!r}: {late}"
                     )

@@ -103,6 +103,10 @@ class BackendStats:
 
     counters: dict[str, int]
     removed_paths: list[str] = field(default_factory=list)
+    # Chunk files found on disk that could not be read (nor removed), as
+    # (path below the namespace, inode, mtime in ns): not promised again
+    # until they change (see ``VineyardCacheLookup.avoid``).
+    unreadable: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +149,14 @@ class ResetReply:
 
     removed: list[str]
     left: int
+
+
+@dataclass
+class RemoveReply:
+    """How many of the chunk files were there and are removed now."""
+
+    removed: int
+    stats: BackendStats
 
 
 @dataclass
@@ -220,6 +232,9 @@ class LookupRequest(Request[LookupReply]):
     reply_type: ClassVar[type[Any]] = LookupReply
     ids: list[int]
     max_chunks: int
+    # Chunk files known unreadable: path below the namespace -> (inode,
+    # mtime in ns); counted missing while they are unchanged.
+    avoid: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -231,6 +246,16 @@ class ResetRequest(Request[ResetReply]):
     reply_type: ClassVar[type[Any]] = ResetReply
     root: str
     namespaces: list[str]
+
+
+@dataclass(frozen=True)
+class RemoveRequest(Request[RemoveReply]):
+    """Remove the chunk files that end at each of ``chunks`` (vineyard ids
+    from token 0): what writes staged before a reset stored."""
+
+    op: ClassVar[str] = "remove"
+    reply_type: ClassVar[type[Any]] = RemoveReply
+    chunks: list[list[int]]
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ from vllm.worker.vineyard.backend.protocol import (
     PingRequest,
     QueryReply,
     QueryRequest,
+    RemoveReply,
+    RemoveRequest,
     ResetReply,
     ResetRequest,
     StatsReply,
@@ -124,6 +126,7 @@ class _VineyardServer:
         self._cpu_counter = "writer_cpu_us" if spec.sweep else "reader_cpu_us"
         self._cpu_reported = time.process_time()
         self._removed: list[str] = []  # corrupt chunk files removed
+        self._unreadable: list[tuple[str, int, int]] = []  # see BackendStats
         self._log = LogLimiter(logger)
         # The root's filesystem at start: a mount that goes away leaves an
         # empty local folder (or none) at its path (see _root_lost).
@@ -382,17 +385,34 @@ class _VineyardServer:
                 return None
             return end
         except OSError as e:
-            self._log.warning(
-                "unreadable",
-                "vineyard cache chunk could not be read (left in place): %s: %s",
-                self._files.path(prefix + ids[:end]),
-                e,
-            )
+            self._unreadable_chunk(prefix + ids[:end], e)
             return None
+
+    def _unreadable_chunk(self, ids: list[int], error: OSError) -> None:
+        """A chunk file that cannot be read (an I/O error, a file in
+        split-brain) and stays: reported, so that lookups stop promising
+        it until it changes."""
+        path = self._files.path(ids)
+        self._log.warning(
+            "unreadable",
+            "vineyard cache chunk could not be read (left in place, not "
+            "promised again until it changes): %s: %s",
+            path,
+            error,
+        )
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            relative = os.path.relpath(path, self._spec.root)
+            self._unreadable.append((relative, st.st_ino, st.st_mtime_ns))
 
     def _remove_corrupt(self, ids: list[int]) -> None:
         """Remove the damaged chunk file of ``ids`` (counted, reported)."""
-        if self._files.remove(ids):
+        try:
+            removed = self._files.remove(ids)
+        except OSError as e:
+            self._unreadable_chunk(ids, e)
+            return
+        if removed:
             self._removed.append(self._files.path(ids))
         self._count_bad(
             "corrupt_chunks",
@@ -428,16 +448,20 @@ class _VineyardServer:
         counters[self._cpu_counter] = int(1e6 * (cpu - self._cpu_reported))
         self._cpu_reported = cpu
         removed, self._removed = self._removed, []
+        unreadable, self._unreadable = self._unreadable, []
         if self._sweeper is not None:
             counters.update(self._sweeper.take_stats())
             removed += self._sweeper.take_removed()
-        return BackendStats(counters, removed)
+        return BackendStats(counters, removed, unreadable)
 
     def handle(
         self, request: object
-    ) -> UpdateReply | QueryReply | StatsReply | PingReply:
+    ) -> UpdateReply | QueryReply | StatsReply | RemoveReply | PingReply:
         if isinstance(request, UpdateRequest):
             return self.update(request)
+        if isinstance(request, RemoveRequest):
+            removed = sum(self._files.remove(ids) for ids in request.chunks)
+            return RemoveReply(removed, self.take_stats())
         if isinstance(request, QueryRequest):
             return self.query(request)
         if isinstance(request, StatsRequest):
@@ -463,7 +487,12 @@ class _LookupServer:
         if isinstance(request, LookupRequest):
             counts: dict[str, int] = {}
             cached = count_cached_chunks(
-                self._rank_files, request.ids, request.max_chunks, counts, self._log
+                self._rank_files,
+                request.ids,
+                request.max_chunks,
+                counts,
+                self._log,
+                request.avoid,
             )
             return LookupReply(cached, counts)
         if isinstance(request, ResetRequest):

@@ -42,6 +42,10 @@ STEP_WAIT_S = 0.005
 #: Most lookup threads stuck in the filesystem at once before lookups are
 #: answered as misses until one returns.
 MAX_STUCK_THREADS = 4
+#: How long a chunk file that could not be read is not promised (unless it
+#: changes first), and how many such files are remembered at most.
+UNREADABLE_RETRY_S = 600.0
+MAX_UNREADABLE = 1024
 
 
 class VineyardCacheLookup:
@@ -76,6 +80,10 @@ class VineyardCacheLookup:
         self.metrics = VineyardCacheMetrics(config.metrics_enabled)
         self._log = LogLimiter(logger)
         self._in_process = in_process
+        # Unreadable chunk files: path below a namespace -> (inode, mtime
+        # in ns, until when they are avoided).
+        self._unreadable: dict[str, tuple[int, int, float]] = {}
+        self._unreadable_lock = threading.Lock()  # lookup threads read it
         self._processes = threading.local()
         self._started: list[BackendProcess] = []
         self._started_lock = threading.Lock()
@@ -170,6 +178,28 @@ class VineyardCacheLookup:
         self.metrics.add("query_tokens", query)
         self.metrics.add("hit_tokens", num_hit)
 
+    def avoid(self, unreadable: Sequence[tuple[str, int, int]]) -> None:
+        """Chunk files a reader could not read (path below the namespace,
+        inode, mtime in ns): counted missing for :data:`UNREADABLE_RETRY_S`
+        unless they change (replaced, healed, rewritten) before, so a bad
+        file costs one failed load, not one per request."""
+        until = time.monotonic() + UNREADABLE_RETRY_S
+        with self._unreadable_lock:
+            for path, ino, mtime_ns in unreadable:
+                self._unreadable.pop(path, None)
+                self._unreadable[path] = (ino, mtime_ns, until)
+            while len(self._unreadable) > MAX_UNREADABLE:
+                del self._unreadable[next(iter(self._unreadable))]
+
+    def _avoided(self) -> dict[str, tuple[int, int]]:
+        """The unreadable files still avoided (path -> inode, mtime)."""
+        now = time.monotonic()
+        with self._unreadable_lock:
+            self._unreadable = {
+                p: entry for p, entry in self._unreadable.items() if entry[2] >= now
+            }
+            return {p: (ino, mtime) for p, (ino, mtime, _) in self._unreadable.items()}
+
     def find(
         self, digests: Sequence[bytes], num_local_tokens: int, num_tokens: int
     ) -> tuple[int, int]:
@@ -181,14 +211,16 @@ class VineyardCacheLookup:
         # prompt holds whole can be looked up.
         max_chunks = min(-(-want_blocks // bpc), len(digests) // bpc)
         ids = synthetic_ids(digests[: max_chunks * bpc])
+        avoid = self._avoided() if self._unreadable else {}
         if self._in_process:
             counts: dict[str, int] = {}
             cached = count_cached_chunks(
-                self._files, ids, max_chunks, counts, self._log
+                self._files, ids, max_chunks, counts, self._log, avoid
             )
         else:
             reply = self._process().call(
-                LookupRequest(ids, max_chunks), timeout_s=self.config.backend_timeout_s
+                LookupRequest(ids, max_chunks, avoid),
+                timeout_s=self.config.backend_timeout_s,
             )
             cached, counts = reply.cached, reply.counts
         self.metrics.record(counts)
@@ -210,6 +242,24 @@ class _LookupJob:
     result: tuple[int, int] = (0, 0)  # (hit end from token 0, save_from)
 
 
+@dataclass
+class NamespaceRemoval:
+    """A reset's removal of every chunk file of ``namespaces`` (queued
+    with the lookups, run in a lookup thread's process)."""
+
+    root: str
+    namespaces: list[str]
+    started_at: float | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    removed: list[str] = field(default_factory=list)  # paths removed
+    left: int = 0  # files that could not be removed
+    error: str | None = None  # why it did not finish
+
+
+_Job = _LookupJob | NamespaceRemoval
+
+
 class BackgroundLookups:
     """Runs :class:`VineyardCacheLookup` on background threads, so the
     scheduler's thread never touches the filesystem.
@@ -224,6 +274,13 @@ class BackgroundLookups:
     ``timeout_s`` (time in the queue does not count) is abandoned and
     another takes over the queue: a hung filesystem costs hits, never the
     engine's progress, and a slow one starts no extra threads.
+
+    Threads: one works the queue; an abandoned one is stuck in the
+    filesystem. A thread back from an abandoned lookup is no longer
+    abandoned: it works the queue again if no thread does (none could be
+    started), else it exits. So at most one thread works, the abandoned
+    list holds only threads still stuck, and live threads are at most
+    ``MAX_STUCK_THREADS + 1``.
     """
 
     def __init__(self, lookup: VineyardCacheLookup, timeout_s: float):
@@ -231,8 +288,8 @@ class BackgroundLookups:
         self.metrics = lookup.metrics
         self._timeout_s = timeout_s
         self._jobs: dict[str, _LookupJob] = {}
-        self._queue: queue.SimpleQueue[_LookupJob | None] = queue.SimpleQueue()
-        self._busy: dict[threading.Thread, _LookupJob | None] = {}
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._busy: dict[threading.Thread, _Job | None] = {}
         self._abandoned: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._log = LogLimiter(logger)
@@ -260,20 +317,37 @@ class BackgroundLookups:
                 job.started_at = time.monotonic()
                 self._busy[me] = job
             try:
-                # From token 0: the request's local hit is taken off when
-                # the answer is given (it may change meanwhile).
-                job.result = self._lookup.find(job.digests, 0, job.num_tokens)
+                if isinstance(job, NamespaceRemoval):
+                    job.removed, job.left = self._lookup.remove_namespaces(
+                        job.root, job.namespaces
+                    )
+                else:
+                    # From token 0: the request's local hit is taken off
+                    # when the answer is given (it may change meanwhile).
+                    job.result = self._lookup.find(job.digests, 0, job.num_tokens)
             except Exception as e:  # noqa: BLE001 - a miss, never a crash
-                self._log.warning(
-                    "failed", "vineyard cache lookup failed (a miss): %s", e
-                )
+                if isinstance(job, NamespaceRemoval):
+                    job.error = str(e)
+                else:
+                    self._log.warning(
+                        "failed", "vineyard cache lookup failed (a miss): %s", e
+                    )
             job.done.set()
             with self._lock:
+                if me in self._busy:
+                    self._busy[me] = None
+                    continue
+                # Back from a lookup it was abandoned in.
+                self._abandoned = [t for t in self._abandoned if t is not me]
+                if self._busy or self._closed:
+                    return  # another thread works the queue
                 self._busy[me] = None
+            logger.info("vineyard cache lookup thread is back from the filesystem")
 
     def _replace_stuck_threads(self, now: float) -> None:
-        """Abandon threads stuck in one lookup past the deadline (they
-        exit when the filesystem answers) and start others."""
+        """Abandon threads stuck in one lookup past the deadline (when the
+        filesystem answers, each works again or exits: see the class) and
+        start another while at most ``MAX_STUCK_THREADS`` are stuck."""
         with self._lock:
             stuck = [
                 t
@@ -285,8 +359,9 @@ class BackgroundLookups:
             for thread in stuck:
                 del self._busy[thread]
             working = len(self._busy)
-        self._abandoned = [t for t in self._abandoned + stuck if t.is_alive()]
-        if stuck and working == 0 and len(self._abandoned) <= MAX_STUCK_THREADS:
+            self._abandoned = [t for t in self._abandoned + stuck if t.is_alive()]
+            num_stuck = len(self._abandoned)
+        if stuck and working == 0 and num_stuck <= MAX_STUCK_THREADS:
             logger.warning(
                 "vineyard cache lookup stuck for more than %.1f s (a hung "
                 "filesystem?); lookups go on in a new thread",
@@ -296,9 +371,16 @@ class BackgroundLookups:
 
     def remove_namespaces(
         self, root: str, namespaces: Sequence[str]
-    ) -> tuple[list[str], int]:
-        """See :meth:`VineyardCacheLookup.remove_namespaces`."""
-        return self._lookup.remove_namespaces(root, namespaces)
+    ) -> NamespaceRemoval:
+        """Queue the removal of every chunk file of ``namespaces`` (see
+        :meth:`VineyardCacheLookup.remove_namespaces`); returns at once."""
+        removal = NamespaceRemoval(root, list(namespaces))
+        self._queue.put(removal)
+        return removal
+
+    def avoid(self, unreadable: Sequence[tuple[str, int, int]]) -> None:
+        """See :meth:`VineyardCacheLookup.avoid`."""
+        self._lookup.avoid(unreadable)
 
     def begin_step(self) -> None:
         """A new scheduler step: its share of waiting for lookups."""
@@ -355,7 +437,8 @@ class BackgroundLookups:
         if not self._closed:
             self._closed = True
             with self._lock:
-                count = len(self._busy)
+                # A stuck thread may come back and take one too.
+                count = len(self._busy) + len(self._abandoned)
             for _ in range(count):
                 self._queue.put(None)
             self._lookup.close()

@@ -24,7 +24,7 @@ class RequestDelta:
     once each, so a decode step costs a few integers."""
 
     req_id: str
-    new_digests: list[bytes]  # appended to the digests the worker has
+    new_digests: list[bytes]  # the worker's digests from digests_from on
     block_ids: list[int]  # appended, or the whole list if replace_blocks
     replace_blocks: bool  # first schedule, or resumed after preemption
     num_computed_tokens: int  # tokens whose KV exists after this step
@@ -37,13 +37,14 @@ class RequestDelta:
     # never read from or written to, whatever the worker's table says.
     held_from: int = 0
     load: tuple[int, int] | None = None  # load tokens [start, end) first
+    digests_from: int = 0  # the index of new_digests[0] (0 after a reset)
 
 
 @dataclass
 class VineyardConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestDelta] = field(default_factory=list)
-    # reset_cache calls so far: writes issued before the last one are not
-    # reported (their files may be gone)
+    # reset_cache calls so far: writes staged before the last one are
+    # dropped or removed, and never reported
     resets: int = 0
 
 
@@ -66,6 +67,12 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
     can_load: dict[int, bool] = field(default_factory=dict)
     # chunk files that the ranks' sweeps or readers removed (KV events)
     removed: list[str] = field(default_factory=list)
+    # chunk files the ranks' readers could not read (path below the
+    # namespace, inode, mtime in ns): not promised until they change
+    unreadable: list[tuple[str, int, int]] = field(default_factory=list)
+    # the reset_cache calls the ranks knew of (the fewest): what is stored
+    # by writes staged before a later reset is not news
+    resets: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> VineyardWorkerReport:
         assert isinstance(other, VineyardWorkerReport)
@@ -73,4 +80,6 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
             stored={**self.stored, **other.stored},
             can_load={**self.can_load, **other.can_load},
             removed=self.removed + other.removed,
+            unreadable=self.unreadable + other.unreadable,
+            resets=min(self.resets, other.resets),
         )

@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard.backend.protocol import BackendError
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
 from vllm.worker.vineyard.connector.hit_timing import HitTimeline
 from vllm.worker.vineyard.connector.lookups import (
+    STEP_WAIT_S,
     BackgroundLookups,
+    NamespaceRemoval,
     VineyardCacheLookup,
 )
 from vllm.worker.vineyard.connector.metadata import (
@@ -45,6 +47,10 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardWorkerReport,
 )
 from vllm.worker.vineyard.connector.request_keys import RequestKeys, request_keys
+from vllm.worker.vineyard.connector.weight_identity import (
+    AdapterIdentities,
+    Pending,
+)
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.chunks import extend_digests
 
@@ -66,6 +72,9 @@ NEVER = 1 << 62  # save_from of requests that must not be cached
 NULL_BLOCK_ID = 0
 #: Finished requests kept for the KV events of their last writes, at most.
 MAX_FINISHED_TRACKED = 4096
+#: Longest ``reset_cache`` waits for its removal of chunk files (then the
+#: removal goes on in the background; the reset's fence holds at once).
+RESET_WAIT_S = 1.0
 
 
 def leading_freed_blocks(block_ids: Sequence[int], known: int = 0) -> int:
@@ -81,7 +90,11 @@ def leading_freed_blocks(block_ids: Sequence[int], known: int = 0) -> int:
 @dataclass
 class _RequestState:
     request: Request
-    keys: RequestKeys  # what besides token ids names its blocks
+    asked_at: float  # monotonic: its first lookup
+    # What besides token ids names its blocks (None until its adapter's
+    # identity is known), and that identity.
+    keys: RequestKeys | None = None
+    adapter: str | None = None
     digests: list[bytes] = field(default_factory=list)
     digests_sent: int = 0
     save_from: int = 0
@@ -117,18 +130,30 @@ class _RequestState:
         for rank, saved in self.rank_saved.items():
             self.rank_saved[rank] = min(saved, token)
 
-    def take_digests(self, num_tokens: int, block_size: int) -> list[bytes]:
+    def take_digests(self, num_tokens: int, block_size: int) -> tuple[int, list[bytes]]:
         """The digests of the first ``num_tokens`` tokens' complete blocks
-        that were not sent to the workers yet (marked sent)."""
+        that were not sent to the workers yet (marked sent), and the index
+        of the first of them."""
         num_tokens = min(num_tokens, self.request.num_tokens)
         digests = self.digests_up_to(num_tokens, block_size)
-        new = digests[self.digests_sent : num_tokens // block_size]
+        first = self.digests_sent
+        new = digests[first : num_tokens // block_size]
         self.digests_sent += len(new)
-        return new
+        return first, new
+
+    def rekey(self, keys: RequestKeys) -> None:
+        """Name its blocks anew (a reset): digests are computed and sent
+        again, and everything is saved again."""
+        self.keys = keys
+        self.digests.clear()
+        self.digests_sent = 0
+        self.rewind(0)
+        self.announced = 0
 
     def digests_up_to(self, num_tokens: int, block_size: int) -> list[bytes]:
         """The digests of the complete blocks among the first
         ``num_tokens`` tokens (computed once per block)."""
+        assert self.keys is not None, "digests before the request's keys"
         if len(self.digests) * block_size < num_tokens // block_size * block_size:
             extend_digests(
                 self.digests,
@@ -168,6 +193,11 @@ class VineyardConnectorScheduler:
         )
         self._ranks_that_cannot_load: set[int] = set()
         self._resets = 0  # reset_cache calls (the workers follow)
+        # A reset's new epoch keys blocks apart from all before it.
+        self._epoch: str | None = None
+        self._adapters: AdapterIdentities | None = None  # on the first LoRA
+        self._removals: collections.deque[NamespaceRemoval] = collections.deque()
+        self._identity_wait_left = STEP_WAIT_S
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
         # Sliding-window attention: vLLM frees a running request's blocks
         # once they leave the window (and hands them to other requests).
@@ -219,15 +249,18 @@ class VineyardConnectorScheduler:
         False)`` while the lookup is pending."""
         state = self._requests.get(request.request_id)
         if state is None:
-            keys = request_keys(request, self.block_size)
-            state = _RequestState(request, keys)
+            state = _RequestState(request, time.monotonic())
             state.timeline = HitTimeline(request.arrival_time)
             self._requests[request.request_id] = state
         state.load = None
         state.num_local_tokens = num_computed_tokens
         if self._lookup is None:
             state.save_from = NEVER
+        elif state.keys is None and not self._identify(state):
+            return None, False  # its adapter is being identified
+        if state.save_from == NEVER:
             return 0, False
+        assert self._lookup is not None
         digests = state.digests_up_to(request.num_tokens, self.block_size)
         found = self._lookup.lookup(
             request.request_id, digests, num_computed_tokens, request.num_tokens
@@ -244,6 +277,33 @@ class VineyardConnectorScheduler:
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
         return num_hit, num_hit > 0
+
+    def _identify(self, state: _RequestState) -> bool:
+        """Name the request's blocks: whether its keys are known now (or it
+        is served without the cache: its adapter cannot be identified, or
+        not within the lookup timeout)."""
+        lora = state.request.lora_request
+        if lora is not None:
+            if self._adapters is None:
+                self._adapters = AdapterIdentities()
+            started = time.monotonic()
+            answer = self._adapters.identity(
+                lora, state.request.request_id, self._identity_wait_left
+            )
+            self._identity_wait_left -= time.monotonic() - started
+            if isinstance(answer, Pending):
+                if started - state.asked_at < self.config.lookup_timeout_s:
+                    return False
+                answer = None
+            if answer is None:
+                state.save_from = NEVER
+                self.metrics.add("unidentified_weights")
+                return True
+            state.adapter = answer
+        state.keys = request_keys(
+            state.request, self.block_size, state.adapter, self._epoch
+        )
+        return True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external: int
@@ -286,7 +346,9 @@ class VineyardConnectorScheduler:
             self._apply_report(report)
 
     def _apply_report(self, report: VineyardWorkerReport) -> None:
-        for rank, runs in report.stored.items():
+        # Writes staged before a reset stored blocks under the old epoch.
+        stored = report.stored if report.resets == self._resets else {}
+        for rank, runs in stored.items():
             for req_id, begin, end in runs:
                 state = self._requests.get(req_id) or self._finished.get(req_id)
                 if state is not None:
@@ -294,6 +356,8 @@ class VineyardConnectorScheduler:
                     self._announce(state)
         if report.removed and self._events is not None:
             self._events.removed(report.removed)
+        if report.unreadable and self._lookup is not None:
+            self._lookup.avoid(report.unreadable)
         for rank, can_load in report.can_load.items():
             if can_load:
                 self._ranks_that_cannot_load.discard(rank)
@@ -324,7 +388,9 @@ class VineyardConnectorScheduler:
         meta = VineyardConnectorMetadata(resets=self._resets)
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
+        self._identity_wait_left = STEP_WAIT_S
         self._lookup.begin_step()
+        self._log_removals()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
         meta.requests.extend(self._load_deltas())
         return meta
@@ -361,10 +427,12 @@ class VineyardConnectorScheduler:
                     scheduler_output, req_id, 0 if replace else state.held_from
                 )
             needed = num_computed // self.chunk_size * self.chunk_size
+            digests_from, new_digests = state.take_digests(needed, self.block_size)
             deltas.append(
                 RequestDelta(
                     req_id=req_id,
-                    new_digests=state.take_digests(needed, self.block_size),
+                    new_digests=new_digests,
+                    digests_from=digests_from,
                     block_ids=blocks,
                     replace_blocks=replace,
                     num_computed_tokens=num_computed,
@@ -384,12 +452,14 @@ class VineyardConnectorScheduler:
             if state.load is None:
                 continue
             start, end = state.load
+            digests_from, new_digests = state.take_digests(
+                -(-end // chunk) * chunk, self.block_size
+            )
             deltas.append(
                 RequestDelta(
                     req_id=req_id,
-                    new_digests=state.take_digests(
-                        -(-end // chunk) * chunk, self.block_size
-                    ),
+                    new_digests=new_digests,
+                    digests_from=digests_from,
                     block_ids=state.load_blocks,
                     replace_blocks=True,
                     num_computed_tokens=start,
@@ -426,46 +496,63 @@ class VineyardConnectorScheduler:
         return leading_freed_blocks(table[0], known)
 
     def reset_cache(self) -> bool:
-        """Remove this instance's chunks from the root: those of the
-        namespaces its TP ranks use (shared with other instances that serve
-        the same model with the same settings; other models' and settings'
-        namespaces are left alone). Running requests save again from their
-        first chunk. Whether every chunk could be removed."""
+        """Reset the cache: nothing computed before now is loaded by this
+        instance again, and the chunks of its namespaces are removed from
+        the root.
+
+        The fence is immediate: a new epoch names every block from now on,
+        so chunks written before (with old weights, or by writes still
+        queued or in flight, which the workers drop or remove once they
+        learn of the reset) are never looked up again; running requests
+        save again from their first chunk. The removal (of the namespaces
+        its TP ranks use, shared with other instances that serve the same
+        model with the same settings) runs on a lookup thread: the engine
+        waits for it at most :data:`RESET_WAIT_S`, then it goes on in the
+        background and its result is logged. Always succeeds: the fence
+        holds whatever the removal does."""
         if self._lookup is None:
             return True  # the cache is off: nothing of ours is there
-        mine = sorted(set(self._namespaces))
-        # In a lookup process: a hung root cannot hang the scheduler's
-        # process (vLLM waits for it at shutdown) for longer than the
-        # backend timeout.
-        try:
-            gone, left = self._lookup.remove_namespaces(self.config.root, mine)
-            failed = None
-        except BackendError as e:
-            gone, left, failed = [], 0, str(e)
-        if self._events is not None:
-            self._events.removed(gone)
-            self._events.removed_all()
-        self._resets += 1  # writes issued before now go unreported
+        self._epoch = os.urandom(8).hex()
+        self._resets += 1
         self._finished.clear()
-        for state in self._requests.values():
-            if state.save_from != NEVER:
-                state.rewind(0)
-                state.announced = 0
-        if failed is not None:
-            logger.warning(
-                "vineyard cache reset of %s did not finish (%s): chunks may be "
-                "left on the root",
-                ", ".join(mine),
-                failed,
-            )
-            return False
-        logger.info(
-            "vineyard cache reset: %d chunk file(s) removed from %s%s",
-            len(gone),
-            ", ".join(mine),
-            f"; {left} could not be removed" if left else "",
+        if self._events is not None:
+            self._events.removed_all()
+        for req_id, state in self._requests.items():
+            self._lookup.forget(req_id)  # a lookup of the old names
+            if state.keys is not None and state.save_from != NEVER:
+                state.rekey(
+                    request_keys(
+                        state.request, self.block_size, state.adapter, self._epoch
+                    )
+                )
+        removal = self._lookup.remove_namespaces(
+            self.config.root, sorted(set(self._namespaces))
         )
-        return left == 0
+        self._removals.append(removal)
+        removal.done.wait(RESET_WAIT_S)
+        self._log_removals()
+        return True
+
+    def _log_removals(self) -> None:
+        """Log the removals of resets that finished (and count failures)."""
+        while self._removals and self._removals[0].done.is_set():
+            removal = self._removals.popleft()
+            where = ", ".join(removal.namespaces)
+            if removal.error is not None:
+                self.metrics.add("reset_failures")
+                logger.warning(
+                    "vineyard cache reset of %s did not finish (%s): chunks may "
+                    "be left on the root (never loaded by this instance)",
+                    where,
+                    removal.error,
+                )
+            else:
+                logger.info(
+                    "vineyard cache reset: %d chunk file(s) removed from %s%s",
+                    len(removal.removed),
+                    where,
+                    f"; {removal.left} could not be removed" if removal.left else "",
+                )
 
     def request_finished(self, request: Request) -> None:
         self._forward_passes_ended()
@@ -477,7 +564,11 @@ class VineyardConnectorScheduler:
                 self._finished.popitem(last=False)
         if self._lookup is not None:
             self._lookup.forget(request.request_id)
+        if self._adapters is not None and request.lora_request is not None:
+            self._adapters.forget(request.lora_request, request.request_id)
 
     def shutdown(self) -> None:
         if self._lookup is not None:
             self._lookup.close()
+        if self._adapters is not None:
+            self._adapters.close()

@@ -36,13 +36,10 @@ from vllm.worker.vineyard.connector.stats import (
     VineyardConnectorStats,
     VineyardPromMetrics,
 )
+from vllm.worker.vineyard.connector.weight_identity import model_identity
 from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
 from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
-from vllm.worker.vineyard.storage.layout import (
-    KVCacheLayout,
-    overrides_text,
-    weights_fingerprint,
-)
+from vllm.worker.vineyard.storage.layout import KVCacheLayout, overrides_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -182,7 +179,7 @@ class VineyardConnector(KVConnectorBase_V1):
             tp_rank=tp_rank,
             key_id=self._key_id,
             kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
-            weights=weights_fingerprint(model_config.model, model_config.revision),
+            weights=model_identity(self._vllm_config),
             hf_overrides=overrides_text(model_config.hf_overrides),
         )
 
@@ -239,12 +236,7 @@ class VineyardConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         stats = VineyardConnectorStats()
         if self._worker is not None:
-            stats.data["backend_start_failures"] = self._worker.start_failures
-            self._worker.start_failures = 0
-            if self._worker.cache is not None:
-                stats.aggregate(
-                    VineyardConnectorStats(data=self._worker.cache.metrics.take())
-                )
+            stats.aggregate(VineyardConnectorStats(data=self._worker.take_stats()))
         if self._scheduler is not None:
             stats.aggregate(VineyardConnectorStats(data=self._scheduler.metrics.take()))
         return None if stats.is_empty() else stats

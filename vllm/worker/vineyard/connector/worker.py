@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from vllm.distributed.parallel_state import get_tp_group
@@ -31,7 +32,9 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.weights import WeightsUnidentified
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
@@ -72,16 +75,27 @@ class VineyardConnectorWorker:
         self._load_errors: set[int] = set()
         self._could_load: bool | None = None  # as last reported
         self._resets = 0  # the scheduler's reset_cache calls, as seen
-        self.start_failures = 0  # not yet reported in the stats
+        # What happens to the worker before (or instead of) its cache.
+        self._metrics = VineyardCacheMetrics(config.metrics_enabled)
 
     def register_kv_caches(self, tensors: list[torch.Tensor]) -> None:
         tp_group = get_tp_group()
-        layout = self._layout_of(
-            tensors[0].dtype,
-            kv_layout_name(tensors[0]),
-            tp_group.world_size,
-            tp_group.rank_in_group,
-        )
+        try:
+            layout = self._layout_of(
+                tensors[0].dtype,
+                kv_layout_name(tensors[0]),
+                tp_group.world_size,
+                tp_group.rank_in_group,
+            )
+        except WeightsUnidentified as e:
+            # Its KV could not be told from other weights' KV: no cache.
+            logger.error(
+                "vineyard cache off: the model's weights cannot be identified "
+                "(%s); serving without the cache",
+                e,
+            )
+            self._metrics.add("unidentified_weights")
+            return
         try:
             self.cache = VineyardLLMCache(
                 self.config,
@@ -95,7 +109,7 @@ class VineyardConnectorWorker:
             # is backend trouble: serve without the cache (no handshake, so
             # the scheduler neither loads nor saves), but say so.
             logger.error("vineyard cache unavailable, serving without it: %s", e)
-            self.start_failures += 1
+            self._metrics.add("backend_start_failures")
 
     def handshake(self) -> VineyardHandshake | None:
         return None if self.cache is None else VineyardHandshake(self.cache.layout)
@@ -103,7 +117,7 @@ class VineyardConnectorWorker:
     def _update_requests(self, meta: VineyardConnectorMetadata) -> None:
         for delta in meta.requests:
             state = self._requests.setdefault(delta.req_id, _WorkerRequest())
-            state.digests.extend(delta.new_digests)
+            state.digests[delta.digests_from :] = delta.new_digests
             if delta.replace_blocks:
                 state.block_ids = list(delta.block_ids)
                 state.held_from = delta.held_from
@@ -116,7 +130,7 @@ class VineyardConnectorWorker:
             return
         if meta.resets != self._resets:
             self._resets = meta.resets
-            self.cache.forget_saved()
+            self.cache.fence()
         self._update_requests(meta)
         for delta in meta.requests:
             if delta.load is not None:
@@ -174,7 +188,7 @@ class VineyardConnectorWorker:
         if self.cache is None:
             return None
         rank = self.cache.layout.tp_rank
-        report = VineyardWorkerReport()
+        report = VineyardWorkerReport(resets=self._resets)
         stored = self.cache.take_stored()
         if stored:
             report.stored[rank] = stored
@@ -183,7 +197,17 @@ class VineyardConnectorWorker:
             self._could_load = can_load
             report.can_load[rank] = can_load
         report.removed = self.cache.take_removed_paths()
-        return report if report.stored or report.can_load or report.removed else None
+        report.unreadable = self.cache.take_unreadable()
+        news = report.stored or report.can_load or report.removed or report.unreadable
+        return report if news else None
+
+    def take_stats(self) -> dict[str, Any]:
+        """What the worker and its cache counted since the last call."""
+        stats = self._metrics.take()
+        if self.cache is not None:
+            for name, value in self.cache.metrics.take().items():
+                stats[name] = stats.get(name, 0) + value
+        return stats
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -36,7 +36,7 @@ import hashlib
 import os
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,21 +346,37 @@ class ChunkFiles:
     def file_bytes(self, num_ids: int) -> int:
         return chunk_file_bytes(num_ids, self.blocks_per_chunk, self.entry_bytes)
 
-    def is_complete(self, ids: Sequence[int]) -> bool:
+    def is_complete(
+        self, ids: Sequence[int], avoid: Mapping[str, tuple[int, int]] | None = None
+    ) -> bool:
         """Whether the chunk ending at ``ids`` is on disk at its full size
-        (vineyard publishes a chunk by renaming over an empty placeholder)."""
+        (vineyard publishes a chunk by renaming over an empty placeholder).
+        ``avoid``: files known unreadable (path below :attr:`root` ->
+        inode, mtime in ns), which count as missing while unchanged."""
+        path = self.path(ids)
         try:
-            return os.stat(self.path(ids)).st_size == self.file_bytes(len(ids))
+            st = os.stat(path)
         except OSError:
             return False
+        if avoid:
+            known = avoid.get(os.path.relpath(path, self.root))
+            if known == (st.st_ino, st.st_mtime_ns):
+                return False
+        return st.st_size == self.file_bytes(len(ids))
 
-    def count_complete(self, ids: Sequence[int], max_chunks: int) -> int:
+    def count_complete(
+        self,
+        ids: Sequence[int],
+        max_chunks: int,
+        avoid: Mapping[str, tuple[int, int]] | None = None,
+    ) -> int:
         """How many leading chunks of ``ids`` are on disk, by ``stat`` only
         (no KV is read): one metadata call per chunk, stopping at the first
-        missing one (so at most ``result + 1`` calls)."""
+        missing one (so at most ``result + 1`` calls). ``avoid``: see
+        :meth:`is_complete`."""
         bpc = self.blocks_per_chunk
         n = 0
-        while n < max_chunks and self.is_complete(ids[: (n + 1) * bpc]):
+        while n < max_chunks and self.is_complete(ids[: (n + 1) * bpc], avoid):
             n += 1
         return n
 

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the cached bytes depend on: :class:`KVCacheLayout`, the shape of
-the stored KV and the namespace it is stored under, and the fingerprints of
-model weights and overrides that go into it."""
+the stored KV and the namespace it is stored under, with the identity of
+the model's weights (:mod:`~vllm.worker.vineyard.storage.weights`) and its
+config overrides."""
 
 from __future__ import annotations
 
@@ -92,51 +93,6 @@ class KVCacheLayout:
             self.blocks_per_chunk,
             self.entry_bytes,
         )
-
-
-#: Checkpoint files whose identity goes into the namespace.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_FINGERPRINT_READ = 1 << 20  # bytes read from each end of a weight file
-#: Config files hashed whole: a model's, and a LoRA adapter's.
-_CONFIG_FILES = ("config.json", "adapter_config.json")
-
-
-def weights_fingerprint(model: str, revision: str | None) -> str:
-    """What identifies the weights (of a model or a LoRA adapter), so that
-    weights updated in place (at the same path or an unpinned hub name) get
-    a new namespace or new digests: for a local
-    checkpoint, a hash of its config and index files, and of each weight
-    file's name, size and first and last MiB; for a hub name, the pinned
-    revision, or the commit of the snapshot vLLM downloaded."""
-    if os.path.isdir(model):
-        h = hashlib.sha256()
-        for name in sorted(os.listdir(model)):
-            path = os.path.join(model, name)
-            if not os.path.isfile(path):
-                continue
-            if name in _CONFIG_FILES or name.endswith("index.json"):
-                with open(path, "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
-            elif name.endswith(_WEIGHT_SUFFIXES):
-                size = os.path.getsize(path)
-                h.update(f"{name}\0{size}\0".encode())
-                with open(path, "rb") as f:
-                    h.update(f.read(_FINGERPRINT_READ))
-                    f.seek(max(0, size - _FINGERPRINT_READ))
-                    h.update(f.read(_FINGERPRINT_READ))
-        return "sha256:" + h.hexdigest()[:32]
-    if revision:
-        return f"revision:{revision}"
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(model, "config.json")
-    except Exception:  # noqa: BLE001 - no hub, no snapshot: best effort
-        found = None
-    if isinstance(found, str):
-        # .../snapshots/<commit>/config.json
-        return "commit:" + os.path.basename(os.path.dirname(found))
-    return "unknown"
 
 
 def overrides_text(overrides: object) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
@@ -24,16 +25,18 @@ def count_cached_chunks(
     max_chunks: int,
     counts: dict[str, int],
     log: LogLimiter,
+    avoid: Mapping[str, tuple[int, int]] | None = None,
 ) -> int:
     """How many leading chunks of ``ids`` (up to ``max_chunks``) every
     rank's namespace holds whole, by ``stat`` alone (the minimum over
-    ranks). Adds to ``counts``: ``lookup_stats``, and ``corrupt_chunks`` or
-    ``path_collisions`` for a file where a rank's lookup stopped (see
-    :func:`_remove_if_damaged`)."""
+    ranks); files known unreadable (``avoid``, see
+    :meth:`ChunkFiles.is_complete`) count as missing. Adds to ``counts``:
+    ``lookup_stats``, and ``corrupt_chunks`` or ``path_collisions`` for a
+    file where a rank's lookup stopped (see :func:`_remove_if_damaged`)."""
     bpc = rank_files[0].blocks_per_chunk if rank_files else 1
     cached = max_chunks
     for files in rank_files:
-        found = files.count_complete(ids, cached)
+        found = files.count_complete(ids, cached, avoid)
         counts["lookup_stats"] = counts.get("lookup_stats", 0) + min(found + 1, cached)
         if found < cached:
             _remove_if_damaged(files, ids[: (found + 1) * bpc], counts, log)

@@ -12,11 +12,12 @@ import collections
 import threading
 from typing import Any, TypeVar
 
-from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.client import BackendProcess, BackendRun
 from vllm.worker.vineyard.backend.protocol import (
     BackendSettings,
     BackendSpec,
     QueryReply,
+    RemoveReply,
     Request,
     StatsReply,
     UpdateReply,
@@ -27,7 +28,9 @@ from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.transfer.staging import StagingMemory
 
 #: The replies of a cache backend: each carries what it counted since.
-CacheReplyT = TypeVar("CacheReplyT", bound=UpdateReply | QueryReply | StatsReply)
+CacheReplyT = TypeVar(
+    "CacheReplyT", bound=UpdateReply | QueryReply | StatsReply | RemoveReply
+)
 
 
 class BackendCalls:
@@ -38,13 +41,16 @@ class BackendCalls:
         self._restarts_counted: dict[str, int] = {}
         # Chunk files the backends removed (reported by the worker).
         self._removed_paths: collections.deque[str] = collections.deque()
+        # Chunk files the readers could not read (see BackendStats).
+        self._unreadable: collections.deque[tuple[str, int, int]] = collections.deque()
         # A call is a send and its receive: callers on two threads (the
         # updater and a stats poll) must not interleave them.
         self._call_lock = threading.Lock()
 
-    def send(self, backend: BackendProcess, request: Request[Any]) -> None:
+    def send(self, backend: BackendProcess, request: Request[Any]) -> BackendRun:
+        """Send ``request``; the run of the process it went to."""
         try:
-            backend.send(request)
+            return backend.send(request)
         finally:
             # Restarts (maybe on a thread of the backend's) not counted yet.
             new = backend.restarts - self._restarts_counted.get(backend.name, 0)
@@ -60,8 +66,16 @@ class BackendCalls:
     ) -> CacheReplyT:
         reply = backend.receive(reply_type, timeout_s)
         self._removed_paths.extend(reply.stats.removed_paths)
+        self._unreadable.extend(reply.stats.unreadable)
         self._metrics.record(reply.stats.counters)
         return reply
+
+    def take_unreadable(self) -> list[tuple[str, int, int]]:
+        """Chunk files the backends could not read since the last call."""
+        unreadable = []
+        while self._unreadable:
+            unreadable.append(self._unreadable.popleft())
+        return unreadable
 
     def take_removed_paths(self) -> list[str]:
         """Chunk files the backends removed since the last call."""

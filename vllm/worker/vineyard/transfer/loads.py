@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.client import BackendProcess, BackendRun
 from vllm.worker.vineyard.backend.protocol import (
     BackendError,
     QueryReply,
@@ -41,6 +41,7 @@ class _Read:
     segment: int
     buffer: int
     reader: BackendProcess
+    run: BackendRun  # the reader's process that got it
     sent_at: float
 
 
@@ -59,6 +60,7 @@ class LoadJob:
     next_segment: int = 0
     loaded: int = 0  # end of the blocks filled so far
     cancelled: bool = False
+    fenced: bool = False  # a reset came: nothing it read is used
     finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
     read_s: float = 0.0  # the readers' time reading, verifying; ours copying
@@ -74,7 +76,14 @@ class LoadPipeline:
     a load included, each into a free read buffer; their answers are taken
     in the order the reads went out, so blocks are copied in order and a
     segment that comes back short ends its load there (the answers to the
-    reads after it are dropped)."""
+    reads after it are dropped).
+
+    A reader given up on (stuck, or dead) is killed without waiting, and
+    the buffer it was given stays unused until its process is gone: killed
+    in an uninterruptible filesystem call, it exits only when the call
+    returns, and its read then still lands in that buffer. Loads go on
+    with the other buffers; while every buffer is held so, a load stops
+    where it is (the rest is recomputed)."""
 
     def __init__(
         self,
@@ -97,6 +106,9 @@ class LoadPipeline:
         # A buffer's last copy into KV blocks (on a device, asynchronous).
         self._events: list[torch.cuda.Event | None] = [None] * buffers.memory.count
         self._free_buffers = collections.deque(range(buffers.memory.count))
+        # Buffers of reads given up on, until their process is gone: the
+        # buffer, the process, since when.
+        self._held: list[tuple[int, BackendRun, float]] = []
         # Loads by request, in the order their reads go out; the reads in
         # flight, oldest first.
         self._jobs: dict[str, LoadJob] = {}
@@ -162,6 +174,15 @@ class LoadPipeline:
             job.cancelled = True
             self._finish(job)
 
+    def fence(self) -> None:
+        """The cache was reset: every load still going finishes with
+        nothing loaded (its blocks are recomputed), as what it reads
+        predates the reset."""
+        for job in list(self._jobs.values()):
+            job.fenced = True
+            job.loaded = job.start
+            self._finish(job)
+
     def loading(self, req_id: str) -> bool:
         return req_id in self._jobs
 
@@ -199,7 +220,7 @@ class LoadPipeline:
                 reply = self._calls.receive(reader, QueryReply, timeout_s)
             except BackendError as e:
                 logger.warning("vineyard cache read failed, recomputing: %s", e)
-                self._free_buffers.append(read.buffer)
+                self._release(read)
                 self._finish(job)
                 continue
             if job.finished:  # an earlier segment ended it
@@ -230,8 +251,20 @@ class LoadPipeline:
         buffer. A read a reader cannot take (it died, or is restarting) goes
         to another; with none left and none answering, the load stops
         there (the rest is recomputed)."""
+        self._take_back_held()
         busy = {id(read.reader) for read in self._in_flight}
         idle = [r for r in self._readers if id(r) not in busy and r.available]
+        if self._queue and len(self._held) == self._buffers.memory.count:
+            # Every buffer waits for a killed reader to exit (which may take
+            # as long as the filesystem does).
+            self._log.warning(
+                "no-buffer",
+                "vineyard cache read failed, recomputing: every read buffer "
+                "waits for a killed reader to exit",
+            )
+            for job in list(self._queue):
+                self._finish(job)
+            self._queue.clear()
         while self._free_buffers and self._queue:
             job = self._queue[0]
             k = job.next_segment
@@ -261,13 +294,43 @@ class LoadPipeline:
                     job.digests[s:e],
                     k == 0,  # the load's first read marks the prefix used too
                 )
-                self._calls.send(reader, request)
+                run = self._calls.send(reader, request)
             except BackendError as e:
                 logger.warning("vineyard cache reader failed: %s", e)
                 continue  # to another reader, if one is idle
             self._free_buffers.popleft()
             job.next_segment = k + 1
-            self._in_flight.append(_Read(job, k, buffer, reader, time.monotonic()))
+            read = _Read(job, k, buffer, reader, run, time.monotonic())
+            self._in_flight.append(read)
+
+    def _release(self, read: _Read) -> None:
+        """The buffer of a read that failed: free, unless its process was
+        stopped before it answered and has not exited yet (it may still
+        write into the buffer)."""
+        if read.run.may_still_write():
+            self._held.append((read.buffer, read.run, time.monotonic()))
+        else:
+            self._free_buffers.append(read.buffer)
+
+    def _take_back_held(self) -> None:
+        """Free the held buffers whose process is gone (never waits)."""
+        if not self._held:
+            return
+        held, self._held, now = self._held, [], time.monotonic()
+        for buffer, run, since in held:
+            if run.gone():
+                self._free_buffers.append(buffer)
+                continue
+            self._held.append((buffer, run, since))
+            if now - since >= self._timeout_s:
+                self._log.warning(
+                    "held",
+                    "vineyard cache reader pid %d was killed %.0f s ago and "
+                    "has not exited (stuck in the filesystem?); its read "
+                    "buffer is not used until it has",
+                    run.pid,
+                    now - since,
+                )
 
     def _finish(self, job: LoadJob) -> None:
         """Report ``job`` finished (once), with what it loaded."""
@@ -283,7 +346,7 @@ class LoadPipeline:
         start = job.start * bs
         if job.cancelled:
             loaded = end
-        else:
+        elif not job.fenced:
             self._metrics.add("loaded_tokens", max(0, loaded - start))
             if loaded < end:
                 self._metrics.add("load_errors")

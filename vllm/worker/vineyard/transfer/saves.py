@@ -74,7 +74,16 @@ class UpdateTask:
     copy_done: torch.cuda.Event | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
-    outcome: str = "pending"  # completed / failed / dropped
+    outcome: str = "pending"  # completed / failed / dropped / fenced
+    stored: list[int] = field(default_factory=list)  # blocks, per segment
+
+    def stored_chunks(self, blocks_per_chunk: int) -> list[list[int]]:
+        """The ids (from token 0) of each chunk its write stored."""
+        return [
+            segment.prefix_ids + segment.ids[:end]
+            for segment, stored in zip(self.segments, self.stored, strict=False)
+            for end in range(blocks_per_chunk, stored + 1, blocks_per_chunk)
+        ]
 
 
 #: ``(first token, end of the completed chunks, request)`` of a request
@@ -176,6 +185,7 @@ class SaveLedger:
             task.segments, stored_per_segment, strict=True
         ):
             stored = min(stored, len(segment.ids))
+            task.stored.append(stored)
             result.blocks_written += stored
             if stored:
                 end = segment.first_token + stored * bs
