@@ -20,7 +20,10 @@ or step by step with the cache's
 writer backends stopped until every request has its first token
 (``stop_writer_during_prefill``), all with one ``cache_salt`` if a round
 gives one; ``freeze_file`` is created for the round's generation and removed
-after it (the freeze switch of a ``slow_fs.py`` cache root). Before the
+after it (the freeze switch of a ``slow_fs.py`` cache root), and
+``fs_control`` (``[path, {...}]``) is merged into that root's control file
+before it (its latency, read link or EIO files change);
+``kv_transfer_params`` go with every request of the round. Before the
 prompts, ``gate`` (a path) holds the round until the test lets it go (see
 :func:`wait_at_gate`; to change the world between rounds of a running
 engine), ``pause_s`` waits (for background work such as a sweep), ``kill_backends``
@@ -167,6 +170,9 @@ def engine_env(
         # A loaded test machine must not turn a slow lookup into a miss (the
         # frozen-root test sets its own deadline).
         VINEYARD_CACHE_LOOKUP_TIMEOUT_S="30",
+        # Every hit is loaded, whatever the machine's load: the tests count
+        # them (the load-or-compute decision has tests of its own).
+        VINEYARD_CACHE_LOAD_POLICY="always",
         PYTHONUNBUFFERED="1",
     )
     if cache_root is not None:
@@ -392,6 +398,8 @@ def run_engine(
                 "lora": None,
                 "prompt_embeds": None,
                 "freeze_file": None,
+                "fs_control": None,
+                "kv_transfer_params": None,
                 **r,
             }
             for r in rounds
@@ -595,8 +603,17 @@ def _main(spec_path: str) -> None:
                 with open(r["break_path"], "w") as f:
                     f.write("not a directory")
             _note(f"round {len(result['rounds'])}: {killed} backend(s) killed")
+            if r["fs_control"]:  # a slow_fs.py root's link or latency changes
+                _merge_json(*r["fs_control"])
             params = SamplingParams(
-                temperature=0, max_tokens=r["max_tokens"], ignore_eos=True
+                temperature=0,
+                max_tokens=r["max_tokens"],
+                ignore_eos=True,
+                extra_args=(
+                    {"kv_transfer_params": r["kv_transfer_params"]}
+                    if r["kv_transfer_params"] is not None
+                    else None
+                ),
             )
             prompts = [TokensPrompt(prompt_token_ids=p) for p in r["prompts"]]
             if r["prompt_embeds"]:
@@ -682,6 +699,15 @@ def _main(spec_path: str) -> None:
     # Skip interpreter teardown: engine threads and atexit hooks can hang on
     # an engine that failed mid-startup; the backends exit when we do.
     os._exit(exit_code)
+
+
+def _merge_json(path: str, values: Mapping[str, Any]) -> None:
+    """Merge ``values`` into the JSON object at ``path`` (written whole)."""
+    target = Path(path)
+    doc = json.loads(target.read_text()) if target.exists() else {}
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**doc, **values}))
+    tmp.replace(target)
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:

@@ -89,7 +89,12 @@ class Server:
             VLLM_CPU_OMP_THREADS_BIND=str(cpu),
         )
         if cache_root is not None:
-            env.update(VLLM_USE_VINEYARD_CACHE="1", VINEYARD_CACHE_ROOT=str(cache_root))
+            # Every hit loaded: the tests count them (see vineyard_engine_testing).
+            env.update(
+                VLLM_USE_VINEYARD_CACHE="1",
+                VINEYARD_CACHE_ROOT=str(cache_root),
+                VINEYARD_CACHE_LOAD_POLICY="always",
+            )
         env.update(extra_env or {})
         vllm_cli = str(Path(sys.executable).parent / "vllm")
         cmd = [vllm_cli, "serve", model, "--served-model-name", "smollm2"]

@@ -173,6 +173,11 @@ CASES: dict[str, EnvCase] = {
             ("nan", "(0, 600]"),
         ),
     ),
+    "VINEYARD_CACHE_LOAD_POLICY": EnvCase(
+        "load_policy",
+        (("auto", "auto"), ("ALWAYS", "always")),
+        (("never", "auto or always"), ("", "auto or always")),
+    ),
     "VINEYARD_CACHE_DRAIN_TIMEOUT_S": EnvCase(
         "drain_timeout_s",
         (("0", 0.0), ("7.5", 7.5)),

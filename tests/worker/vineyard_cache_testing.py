@@ -230,6 +230,8 @@ def make_config(root: str | os.PathLike[str], **fields: Any) -> VineyardLLMCache
         "cpu_mem_limit_gb": 1.0,
         "backend_timeout_s": 10.0,
         "drain_timeout_s": 5.0,
+        # Every hit is loaded: the tests' fake forward passes cost nothing.
+        "load_policy": "always",
     }
     return replace(VineyardLLMCacheConfig(), root=str(root), **{**base, **fields})
 

@@ -113,6 +113,18 @@ def _chunk_size() -> tuple[Parser, str]:
 _CHUNK_SIZE = _chunk_size()
 
 
+def _choice(*values: str) -> tuple[Parser, str]:
+    allowed = " or ".join(values)
+
+    def parse(name: str, raw: str) -> str:
+        value = str(raw).strip().lower()
+        if value not in values:
+            raise ValueError(f"{name}={raw!r} is not valid; allowed: {allowed}")
+        return value
+
+    return parse, allowed
+
+
 def _setting(default: str, help: str, parser: tuple[Parser, str]) -> Any:
     """A config field: its default is ``default`` parsed, and the raw
     default, help text, parser and allowed range travel in its metadata."""
@@ -228,6 +240,13 @@ class VineyardLLMCacheConfig:
         "the request is served as a miss; a hung filesystem costs hits, "
         "never the engine's progress.",
         _number(float, 0, False, 600),
+    )
+    load_policy: str = _setting(
+        "auto",
+        "auto: a hit is loaded only when loading it is expected to be faster "
+        "than computing it (from live estimates of both; a slow link to the "
+        "root costs no more than computing); always: every hit is loaded.",
+        _choice("auto", "always"),
     )
     drain_timeout_s: float = _setting(
         "5",

@@ -61,6 +61,13 @@ COUNTERS: dict[str, str] = {
     "cache was reset after they were staged.",
     "reset_failures": "Cache resets whose removal of chunk files did not "
     "finish (the reset's fence holds regardless).",
+    "tokens_not_loaded_slow": "Cached tokens computed instead of loaded because "
+    "loading them was predicted, or turned out, slower than computing them "
+    "(a slow link to the root).",
+    "loads_stopped_slow": "Loads stopped at a chunk boundary because they ran "
+    "slower than computing the rest; the rest was computed.",
+    "requests_opted_out": "Requests that opted out of the cache "
+    "(kv_transfer_params): nothing loaded, nothing saved.",
     "unsupported_models": "Engines serving without the cache because their "
     "model's KV cache is not supported (several KV cache groups, Mamba state, "
     "attention other than full or sliding window).",
@@ -69,6 +76,10 @@ COUNTERS: dict[str, str] = {
 GAUGES: dict[str, str] = {
     "root_bytes": "Bytes of chunks under the cache root (sampled by the sweep).",
     "root_chunks": "Chunk files under the cache root (sampled by the sweep).",
+    "load_us_per_token": "What loading a cached token from the root costs now "
+    "(estimated from recent loads), in microseconds.",
+    "compute_us_per_token": "What computing a prompt token costs this engine "
+    "now (estimated from recent steps), in microseconds.",
 }
 #: Timing histograms (seconds), when VINEYARD_CACHE_METRICS_ENABLED=1.
 HISTOGRAMS: dict[str, str] = {

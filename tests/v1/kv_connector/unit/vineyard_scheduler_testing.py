@@ -145,6 +145,8 @@ def create_vllm_config(
         "cpu_mem_limit_gb": 0.5,
         "backend_timeout_s": 30.0,
         "drain_timeout_s": 5.0,
+        # Every hit is loaded: the fake forward passes cost nothing.
+        "load_policy": "always",
         **settings,
     }
     kv_transfer_config = KVTransferConfig(

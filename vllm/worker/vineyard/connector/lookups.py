@@ -396,21 +396,7 @@ class BackgroundLookups:
     ) -> tuple[int, int] | None:
         """``(num_hit_tokens, save_from)`` of the request's lookup (see
         :meth:`VineyardCacheLookup.lookup`), or ``None`` while pending."""
-        job = self._jobs.get(req_id)
-        if job is None or (job.num_tokens, len(job.digests)) != (
-            num_tokens,
-            len(digests),
-        ):
-            # New, or the prompt grew (a preempted request's outputs): a
-            # filesystem pass is needed, by the request's first deadline.
-            if job is not None:
-                job.cancelled = True
-                deadline = job.deadline
-            else:
-                deadline = time.monotonic() + self._timeout_s
-            job = _LookupJob(list(digests), num_tokens, deadline)
-            self._jobs[req_id] = job
-            self._queue.put(job)
+        job = self.start(req_id, digests, num_tokens)
         if not job.done.is_set() and self._wait_left > 0:
             start = time.monotonic()
             job.done.wait(self._wait_left)
@@ -427,6 +413,28 @@ class BackgroundLookups:
         del self._jobs[req_id]
         self._lookup.count(num_local_tokens, num_tokens, len(digests), answer[0])
         return answer
+
+    def start(
+        self, req_id: str, digests: Sequence[bytes], num_tokens: int
+    ) -> _LookupJob:
+        """The request's lookup, queued now if it has none for this prompt
+        (never waits): a request's lookup can start when it arrives."""
+        job = self._jobs.get(req_id)
+        if job is None or (job.num_tokens, len(job.digests)) != (
+            num_tokens,
+            len(digests),
+        ):
+            # New, or the prompt grew (a preempted request's outputs): a
+            # filesystem pass is needed, by the request's first deadline.
+            if job is not None:
+                job.cancelled = True
+                deadline = job.deadline
+            else:
+                deadline = time.monotonic() + self._timeout_s
+            job = _LookupJob(list(digests), num_tokens, deadline)
+            self._jobs[req_id] = job
+            self._queue.put(job)
+        return job
 
     def forget(self, req_id: str) -> None:
         job = self._jobs.pop(req_id, None)

@@ -37,6 +37,9 @@ class RequestDelta:
     # never read from or written to, whatever the worker's table says.
     held_from: int = 0
     load: tuple[int, int] | None = None  # load tokens [start, end) first
+    # What computing a token costs the engine now: a load slower than
+    # computing the rest stops (None: unknown yet, never stopped).
+    compute_s_per_token: float | None = None
     digests_from: int = 0  # the index of new_digests[0] (0 after a reset)
 
 
@@ -70,6 +73,8 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
     # chunk files the ranks' readers could not read (path below the
     # namespace, inode, mtime in ns): not promised until they change
     unreadable: list[tuple[str, int, int]] = field(default_factory=list)
+    # (blocks, seconds) of the ranks' finished loads: what loading costs
+    load_times: list[tuple[int, float]] = field(default_factory=list)
     # the reset_cache calls the ranks knew of (the fewest): what is stored
     # by writes staged before a later reset is not news
     resets: int = 0
@@ -81,5 +86,6 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
             can_load={**self.can_load, **other.can_load},
             removed=self.removed + other.removed,
             unreadable=self.unreadable + other.unreadable,
+            load_times=self.load_times + other.load_times,
             resets=min(self.resets, other.resets),
         )

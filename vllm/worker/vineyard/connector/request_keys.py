@@ -65,3 +65,37 @@ def request_keys(
         return repr(keys).encode() if keys else b""
 
     return RequestKeys(seed, block_extra)
+
+
+#: ``kv_transfer_params`` keys a request sets to steer the cache: ``False``
+#: keeps it out of the cache (nothing loaded, nothing saved: e.g. private
+#: data); a token count caps what it loads.
+USE_CACHE_PARAM = "vineyard_cache"
+MAX_LOAD_PARAM = "vineyard_max_load_tokens"
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asked of the cache (see :func:`request_options`)."""
+
+    use_cache: bool = True
+    max_load_tokens: int | None = None
+    problem: str | None = None  # a value that was not understood
+
+
+def request_options(request: Request) -> RequestOptions:
+    """The request's ``kv_transfer_params`` for the cache. A value that is
+    not understood keeps the request out of the cache (its ``problem``
+    says why): an opt-out must never be missed."""
+    params = request.kv_transfer_params or {}
+    use = params.get(USE_CACHE_PARAM, True)
+    cap = params.get(MAX_LOAD_PARAM)
+    if not isinstance(use, bool):
+        return RequestOptions(False, problem=f"{USE_CACHE_PARAM}={use!r} (a bool)")
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, int) or cap < 0
+    ):
+        return RequestOptions(
+            False, problem=f"{MAX_LOAD_PARAM}={cap!r} (an integer >= 0)"
+        )
+    return RequestOptions(use, cap)

@@ -34,6 +34,7 @@ from vllm.logger import init_logger
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
 from vllm.worker.vineyard.connector.hit_timing import HitTimeline
+from vllm.worker.vineyard.connector.load_costs import LoadCosts
 from vllm.worker.vineyard.connector.lookups import (
     STEP_WAIT_S,
     BackgroundLookups,
@@ -46,11 +47,16 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
-from vllm.worker.vineyard.connector.request_keys import RequestKeys, request_keys
+from vllm.worker.vineyard.connector.request_keys import (
+    RequestKeys,
+    request_keys,
+    request_options,
+)
 from vllm.worker.vineyard.connector.weight_identity import (
     AdapterIdentities,
     Pending,
 )
+from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.chunks import extend_digests
 
@@ -113,6 +119,10 @@ class _RequestState:
     held_from: int = 0  # blocks before it vLLM has freed (sliding window)
     # Where its hit's time goes (None: no hit, or not timed any more).
     timeline: HitTimeline | None = None
+    max_load_tokens: int | None = None  # its own cap (kv_transfer_params)
+    # Whether its hit is computed, not loaded, for a slow link (decided
+    # once, on its first hit).
+    computed_for_speed: bool | None = None
 
     def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
         """A rank's write stored tokens ``[begin, end)`` (writes finish in
@@ -175,6 +185,7 @@ class VineyardConnectorScheduler:
         publish_events: bool = False,
         windowed: bool = False,
         cache_off: str | None = None,
+        max_step_tokens: int = 8192,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -198,6 +209,8 @@ class VineyardConnectorScheduler:
         self._adapters: AdapterIdentities | None = None  # on the first LoRA
         self._removals: collections.deque[NamespaceRemoval] = collections.deque()
         self._identity_wait_left = STEP_WAIT_S
+        self._costs = LoadCosts(block_size, max_step_tokens, lambda: self.metrics)
+        self._log = LogLimiter(logger)
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
         # Sliding-window attention: vLLM frees a running request's blocks
         # once they leave the window (and hands them to other requests).
@@ -247,16 +260,12 @@ class VineyardConnectorScheduler:
     ) -> tuple[int | None, bool]:
         """``(tokens to load, True)``: loads are asynchronous; ``(None,
         False)`` while the lookup is pending."""
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = _RequestState(request, time.monotonic())
-            state.timeline = HitTimeline(request.arrival_time)
-            self._requests[request.request_id] = state
+        state = self._state_of(request)
         state.load = None
         state.num_local_tokens = num_computed_tokens
-        if self._lookup is None:
-            state.save_from = NEVER
-        elif state.keys is None and not self._identify(state):
+        if state.save_from == NEVER:
+            return 0, False
+        if state.keys is None and not self._identify(state):
             return None, False  # its adapter is being identified
         if state.save_from == NEVER:
             return 0, False
@@ -272,11 +281,60 @@ class VineyardConnectorScheduler:
             state.save_from = state.found = state.saved = save_from
             self._announce(state)  # found on the root
         num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
+        if state.max_load_tokens is not None:
+            cap = state.max_load_tokens // self.block_size * self.block_size
+            num_hit = min(num_hit, cap)
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
+        if num_hit and state.computed_for_speed is None:
+            state.computed_for_speed = (
+                self.config.load_policy == "auto" and self._costs.promise(num_hit) == 0
+            )
+        if state.computed_for_speed:
+            num_hit = 0
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
         return num_hit, num_hit > 0
+
+    def _state_of(self, request: Request) -> _RequestState:
+        """The request's state, made on first sight: what it asked of the
+        cache (``kv_transfer_params``)."""
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state
+        state = _RequestState(request, time.monotonic())
+        state.timeline = HitTimeline(request.arrival_time)
+        self._requests[request.request_id] = state
+        options = request_options(request)
+        state.max_load_tokens = options.max_load_tokens
+        if options.problem is not None:
+            self._log.warning(
+                "options",
+                "vineyard cache: a request's kv_transfer_params has %s: it is "
+                "served without the cache",
+                options.problem,
+            )
+        if self._lookup is None or not options.use_cache:
+            state.save_from = NEVER
+            if self._lookup is not None:
+                self.metrics.add("requests_opted_out")
+        return state
+
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived: its lookup starts now, in the background, so
+        it is answered by the time the request is scheduled (and while it
+        waits behind others)."""
+        state = self._state_of(request)
+        if state.save_from == NEVER or self._lookup is None:
+            return
+        if state.keys is None:
+            wait_left, self._identity_wait_left = self._identity_wait_left, 0.0
+            known = self._identify(state)
+            self._identity_wait_left = wait_left
+            if not known or state.save_from == NEVER:
+                return
+        digests = state.digests_up_to(request.num_tokens, self.block_size)
+        self._lookup.start(request.request_id, digests, request.num_tokens)
 
     def _identify(self, state: _RequestState) -> bool:
         """Name the request's blocks: whether its keys are known now (or it
@@ -324,6 +382,7 @@ class VineyardConnectorScheduler:
         never promised more than ``b`` again, and saves from there again on
         every rank), how far requests are saved, and which ranks can load."""
         self._forward_passes_ended()
+        self._costs.step_finished()
         bs = self.block_size
         if output.invalid_block_ids:
             for state in self._requests.values():
@@ -358,6 +417,8 @@ class VineyardConnectorScheduler:
             self._events.removed(report.removed)
         if report.unreadable and self._lookup is not None:
             self._lookup.avoid(report.unreadable)
+        for blocks, seconds in report.load_times:
+            self._costs.observe_load(blocks, seconds)
         for rank, can_load in report.can_load.items():
             if can_load:
                 self._ranks_that_cannot_load.discard(rank)
@@ -389,6 +450,7 @@ class VineyardConnectorScheduler:
         if self._lookup is None:
             return meta  # the cache is off: nothing to load or save
         self._identity_wait_left = STEP_WAIT_S
+        self._costs.step_scheduled(scheduler_output.total_num_scheduled_tokens)
         self._lookup.begin_step()
         self._log_removals()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
@@ -466,6 +528,11 @@ class VineyardConnectorScheduler:
                     save_from=state.save_from,
                     held_from=state.held_from,
                     load=state.load,
+                    compute_s_per_token=(
+                        self._costs.compute_s_per_token
+                        if self.config.load_policy == "auto"
+                        else None
+                    ),
                 )
             )
             state.loading, state.load = state.load, None

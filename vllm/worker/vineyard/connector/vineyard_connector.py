@@ -147,6 +147,7 @@ class VineyardConnector(KVConnectorBase_V1):
             publish_events=bool(events and events.enable_kv_cache_events),
             windowed=isinstance(spec, SlidingWindowSpec),
             cache_off=self._cache_off,
+            max_step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
 
     @property
@@ -278,6 +279,10 @@ class VineyardConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

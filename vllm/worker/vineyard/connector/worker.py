@@ -137,7 +137,12 @@ class VineyardConnectorWorker:
                 state = self._requests[delta.req_id]
                 start, end = delta.load
                 self.cache.loads.start(
-                    delta.req_id, state.digests, start, end, state.block_ids
+                    delta.req_id,
+                    state.digests,
+                    start,
+                    end,
+                    state.block_ids,
+                    delta.compute_s_per_token,
                 )
         self.cache.loads.poll()
 
@@ -198,7 +203,14 @@ class VineyardConnectorWorker:
             report.can_load[rank] = can_load
         report.removed = self.cache.take_removed_paths()
         report.unreadable = self.cache.take_unreadable()
-        news = report.stored or report.can_load or report.removed or report.unreadable
+        report.load_times = self.cache.loads.take_load_times()
+        news = (
+            report.stored
+            or report.can_load
+            or report.removed
+            or report.unreadable
+            or report.load_times
+        )
         return report if news else None
 
     def take_stats(self) -> dict[str, Any]:

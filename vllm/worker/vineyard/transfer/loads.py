@@ -59,8 +59,12 @@ class LoadJob:
     segments: list[tuple[int, int]]  # block ranges read per query
     next_segment: int = 0
     loaded: int = 0  # end of the blocks filled so far
+    # What computing a token costs the engine now (from the scheduler): a
+    # load slower than computing the rest is stopped; None: never stopped.
+    compute_s_per_token: float | None = None
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
+    stopped_slow: bool = False  # slower than computing: the rest computed
     finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
     read_s: float = 0.0  # the readers' time reading, verifying; ours copying
@@ -115,6 +119,8 @@ class LoadPipeline:
         self._queue: collections.deque[LoadJob] = collections.deque()
         self._in_flight: collections.deque[_Read] = collections.deque()
         self._finished: list[tuple[str, int, int]] = []
+        # (blocks, seconds) of finished loads: what loading costs now.
+        self._load_times: list[tuple[int, float]] = []
         self._segment_blocks = buffers.memory.max_blocks
 
     def start(
@@ -124,12 +130,15 @@ class LoadPipeline:
         start: int,
         end: int,
         block_ids: Sequence[int],
+        compute_s_per_token: float | None = None,
     ) -> None:
         """Begin loading the cached KV of tokens ``[start, end)`` into the
         request's blocks (``digests`` and ``block_ids`` cover the request
         from token 0, ``digests`` up to the end of the chunk that holds
         ``end``); returns at once. :meth:`poll` moves it on and
-        :meth:`take_finished` reports it.
+        :meth:`take_finished` reports it. With ``compute_s_per_token``, a
+        load that runs slower than computing the rest stops at a chunk
+        boundary (the rest is computed).
 
         ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks,
         from the chunk boundary at or before ``start`` to the one at or after
@@ -156,6 +165,7 @@ class LoadPipeline:
             start=start // bs,
             last=last,
             segments=segments,
+            compute_s_per_token=compute_s_per_token,
         )
         job.loaded = job.start
         self._jobs[req_id] = job
@@ -186,6 +196,34 @@ class LoadPipeline:
     def loading(self, req_id: str) -> bool:
         return req_id in self._jobs
 
+    def take_load_times(self) -> list[tuple[int, float]]:
+        """``(blocks, seconds)`` of the loads finished since the last call
+        (wall time from start to end; a load stopped for slowness with
+        nothing loaded counts its first segment, as a lower bound)."""
+        times, self._load_times = self._load_times, []
+        return times
+
+    def _stop_slow_loads(self) -> None:
+        """Stop the loads that run slower than computing the rest: at the
+        pace of the blocks they have loaded, or (none yet) slower than
+        computing their first segment."""
+        now, bs = time.perf_counter(), self._layout.block_size
+        for job in list(self._jobs.values()):
+            c = job.compute_s_per_token
+            left = job.last - job.loaded
+            if c is None or job.finished or left <= 0:
+                continue
+            elapsed, done = now - job.started_at, job.loaded - job.start
+            if done > 0:
+                slow = elapsed / done * left > c * left * bs
+            else:
+                slow = elapsed > c * min(left, self._segment_blocks) * bs
+            if slow:
+                job.stopped_slow = True
+                self._metrics.add("loads_stopped_slow")
+                self._metrics.add("tokens_not_loaded_slow", left * bs)
+                self._finish(job)
+
     def take_finished(self) -> list[tuple[str, int, int]]:
         """``(req_id, loaded_end, promised_end)`` of loads finished since
         the last call, in tokens; a load that was cancelled reports its
@@ -197,6 +235,7 @@ class LoadPipeline:
         """Move loads on: collect the readers' answers that have arrived,
         copy their verified blocks into place and send the next reads.
         Never waits unless ``wait`` (then until every load is done)."""
+        self._stop_slow_loads()
         while True:
             self._send_reads()
             if not self._in_flight:
@@ -348,7 +387,12 @@ class LoadPipeline:
             loaded = end
         elif not job.fenced:
             self._metrics.add("loaded_tokens", max(0, loaded - start))
-            if loaded < end:
+            done = job.loaded - job.start
+            blocks = done or (self._segment_blocks if job.stopped_slow else 0)
+            if blocks:
+                seconds = time.perf_counter() - job.started_at
+                self._load_times.append((blocks, seconds))
+            if loaded < end and not job.stopped_slow:
                 self._metrics.add("load_errors")
                 self._log.warning(
                     "short-load",

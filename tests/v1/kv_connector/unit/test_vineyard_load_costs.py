@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Load or compute, decided from measurements: :class:`LoadCosts` with a
+fake clock and fed timings, then on vLLM's real ``Scheduler`` (a real worker
+side on a real root): a slow root gets no promise, a fast one the whole
+hit, a recovering one the hit again after its probe; and a load that turns
+out slower than computing stops at a chunk boundary."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
+    BLOCK_SIZE,
+    Engine,
+    FakeWorker,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    make_model_dir,
+)
+from tests.vineyard_testing import resume_processes
+from vllm.worker.vineyard.connector.load_costs import (
+    MARGIN,
+    MIN_STEP_TOKENS,
+    PROBE_INTERVAL_S,
+    LoadCosts,
+)
+from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+from vllm.worker.vineyard.metrics import VineyardCacheMetrics
+
+pytestmark = pytest.mark.timeout(180)
+
+HIT = 8 * BLOCK_SIZE  # tokens
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed_compute(costs: LoadCosts, clock: FakeClock, s_per_token: float) -> None:
+    """Steps of the engine that cost ``s_per_token`` per scheduled token."""
+    for _ in range(10):
+        costs.step_scheduled(4 * MIN_STEP_TOKENS)
+        clock.now += s_per_token * 4 * MIN_STEP_TOKENS
+        costs.step_finished()
+
+
+def feed_loads(costs: LoadCosts, clock: FakeClock, s_per_token: float) -> None:
+    """Loads of several sizes that cost ``s_per_token`` per token."""
+    for blocks in (2, 8, 4, 8, 16, 8, 4, 8):
+        clock.now += 0.01
+        costs.observe_load(blocks, s_per_token * blocks * BLOCK_SIZE)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def metrics() -> VineyardCacheMetrics:
+    return VineyardCacheMetrics(False)
+
+
+@pytest.fixture
+def costs(clock: FakeClock, metrics: VineyardCacheMetrics) -> LoadCosts:
+    return LoadCosts(BLOCK_SIZE, 1024, lambda: metrics, clock)
+
+
+def test_unknown_costs_load(costs: LoadCosts, clock: FakeClock) -> None:
+    assert costs.promise(HIT) == HIT
+    feed_compute(costs, clock, 1e-4)
+    assert costs.promise(HIT) == HIT  # no load measured yet
+
+
+def test_a_slow_root_gets_no_promise_and_a_fast_one_the_whole_hit(
+    costs: LoadCosts, clock: FakeClock, metrics: VineyardCacheMetrics
+) -> None:
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-4 * MARGIN * 2)  # twice too slow
+    assert costs.promise(HIT) == 0
+    assert metrics.take()["tokens_not_loaded_slow"] == HIT
+    feed_loads(costs, clock, 1e-4 / MARGIN / 2)  # twice fast enough
+    assert costs.promise(HIT) == HIT
+    gauges = metrics.take()
+    assert gauges["load_us_per_token"] < 1e6 * 1e-4 / MARGIN
+    assert gauges["compute_us_per_token"] == 100
+
+
+def test_a_recovering_root_gets_the_hit_after_its_probe(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-3)
+    assert costs.promise(HIT) == 0
+    clock.now += PROBE_INTERVAL_S / 2
+    assert costs.promise(HIT) == 0  # no probe yet
+    clock.now += PROBE_INTERVAL_S / 2
+    assert costs.promise(HIT) == HIT  # the probe
+    assert costs.promise(HIT) == 0  # one probe per interval
+    feed_loads(costs, clock, 1e-5)  # the probe and the loads after it: fast
+    assert costs.promise(HIT) == HIT
+
+
+def test_a_steps_overhead_is_priced_apart_from_its_tokens(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    """Steps cost ``overhead + per_token * tokens``: a hit's computation
+    is its tokens at ``per_token`` and one overhead per step of them (a
+    decode-sized step's time per token would price it far too high)."""
+    overhead, per_token = 0.05, 2e-4
+    for tokens in (64, 1024, 128, 512, 1024, 256, 64, 1024):
+        costs.step_scheduled(tokens)
+        clock.now += overhead + per_token * tokens
+        costs.step_finished()
+    assert costs.compute_s_per_token == pytest.approx(per_token, 0.01)
+    # 2,048 tokens: two full steps of 1,024.
+    assert costs.compute_s(2048) == pytest.approx(2 * overhead + 2048 * per_token)
+
+
+# ---- on vLLM's real Scheduler -----------------------------------------------
+
+
+def connector_costs(
+    engine: Engine, clock: FakeClock, compute_s_per_token: float
+) -> LoadCosts:
+    """The scheduler's estimates on ``clock``, fed by the test alone as
+    far as computing goes (the fake forward passes take no time)."""
+    connector = engine.scheduler.connector
+    assert isinstance(connector, VineyardConnector)
+    assert connector._scheduler is not None
+    costs = connector._scheduler._costs
+    costs._clock = clock
+    feed_compute(costs, clock, compute_s_per_token)
+    costs.step_scheduled = lambda num_tokens: None  # type: ignore[method-assign]
+    costs.step_finished = lambda: None  # type: ignore[method-assign]
+    return costs
+
+
+def first_scheduled(engine: Engine, req_id: str, prompt: list[int]) -> int:
+    request = engine.add(create_request(req_id, prompt))
+    record = engine.run_until(lambda r: r.num_scheduled(request.request_id) > 0)
+    new = record.new_request(request.request_id)
+    assert new is not None
+    engine.drain()
+    return new.num_computed_tokens
+
+
+def test_the_decision_on_the_real_scheduler(tmp_path: Path) -> None:
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        # Computing is slow enough (10 ms per token) that a real load here
+        # is always faster.
+        clock = FakeClock()
+        costs = connector_costs(engine, clock, 1e-2)
+        prompt = fresh_tokens(HIT + 1)
+        assert first_scheduled(engine, "saved", prompt) == 0
+        worker.wait_for_writes()
+
+        feed_loads(costs, clock, 1.0)  # a slow root
+        assert first_scheduled(engine, "slow", prompt) == 0
+        assert engine.counter("tokens_not_loaded_slow") == HIT
+        assert engine.counter("loaded_tokens") == 0
+
+        feed_loads(costs, clock, 1e-6)  # fast again
+        assert first_scheduled(engine, "fast", prompt) == HIT
+        assert engine.counter("loaded_tokens") == HIT
+
+        feed_loads(costs, clock, 1.0)  # slow, then the link recovers
+        assert first_scheduled(engine, "slow-again", prompt) == 0
+        clock.now += PROBE_INTERVAL_S
+        assert first_scheduled(engine, "probe", prompt) == HIT
+        assert first_scheduled(engine, "after-probe", prompt) == HIT
+        assert engine.counter("load_errors") == 0
+    finally:
+        engine.close()
+        worker.close()
+
+
+def test_a_load_slower_than_computing_stops(tmp_path: Path) -> None:
+    """The reader stops answering (a link that turned slow): the load stops
+    once waiting costs more than computing its first segment, its tokens
+    are computed, and it counts as stopped, not failed."""
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        connector_costs(engine, FakeClock(), 1e-4)  # 0.1 ms per token
+        prompt = fresh_tokens(HIT + 1)
+        assert first_scheduled(engine, "saved", prompt) == 0
+        worker.wait_for_writes()
+        readers = [p for n, p in worker.cache.backend_pids().items() if n != "write"]
+        for pid in readers:
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            assert first_scheduled(engine, "stalled", prompt) == 0
+        finally:
+            resume_processes(readers)
+        assert engine.counter("loads_stopped_slow") == 1
+        assert engine.counter("tokens_not_loaded_slow") == HIT
+        assert engine.counter("load_errors") == 0
+    finally:
+        engine.close()
+        worker.close()
