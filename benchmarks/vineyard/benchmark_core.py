@@ -222,7 +222,7 @@ def measure_save(b: Bench) -> dict[str, Any]:
         start = time.perf_counter()
         b.cache.save([req])
         times.append(time.perf_counter() - start)
-        b.cache.release(req.req_id)
+        b.cache.saves.release(req.req_id)
     b.wait_idle()
     save_s = statistics.median(times)
     return {
@@ -265,7 +265,7 @@ def measure_save_run(size: Size, root: str) -> dict[str, Any]:
             start = time.perf_counter()
             submitted = b.cache.save([req])
             elapsed = time.perf_counter() - start
-            b.cache.release(req.req_id)
+            b.cache.saves.release(req.req_id)
             if submitted:
                 copied.append(elapsed)
                 start = time.perf_counter()

@@ -179,14 +179,17 @@ def engine(
     root: Path,
     rounds: list[dict[str, Any]],
     workdir: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> EngineRun:
     """One engine of configuration ``cfg`` (cache root / peer storage
-    ``root``) running ``rounds`` in its own process."""
+    ``root``) running ``rounds`` in its own process; ``extra_env``: more
+    of its environment (e.g. the cache's load policy)."""
     extra = {
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(plan.kvcache_space_gib),
         "VINEYARD_CACHE_METRICS_ENABLED": "1",
         "VINEYARD_CACHE_ENABLE_ASYNC_UPDATE": "0" if cfg == "sync" else "1",
+        **(extra_env or {}),
     }
     llm_kwargs: dict[str, Any] = {
         "max_model_len": max(*ttft_lengths(plan), plan.prompt_tokens[1])

@@ -36,31 +36,32 @@ with the reason.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.request
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from tests.script_testing import clean_env, load_script  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository (tests.*)
+sys.path.insert(0, str(HERE))  # the scripts beside this one
+from serve_harness import (  # noqa: E402
+    BACKEND_TIMEOUT_S,
+    KVCACHE_SPACE_GIB,
+    LOOKUP_TIMEOUT_S,
+    Server,
+    add_run_arguments,
+    counter,
+    run_folder,
+    setup,
+    write_result,
+)
 from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
 
-EXIT_BOUND_S = 60.0
+from tests.script_testing import clean_env  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -71,86 +72,17 @@ class Plan:
     output_len: int = 32
     num_prompts: int = 96
     concurrency: int = 4
-    kvcache_space_gib: int = 1  # vLLM's own KV cache: less than the prefixes
+    kvcache_space_gib: int = KVCACHE_SPACE_GIB  # less than the prefixes
     latency_ms: float = 10.0  # per FUSE call: about 20 ms per stat or open
     io_latency_ms: float = 20.0  # a file's first read, and each fsync
     freeze_at_s: float = 60.0  # in the steady state, not the cold start
     freeze_s: float = 20.0
-    backend_timeout_s: float = 5.0
-    lookup_timeout_s: float = 2.0
+    backend_timeout_s: float = BACKEND_TIMEOUT_S
+    lookup_timeout_s: float = LOOKUP_TIMEOUT_S
 
 
 QUICK = Plan(num_prefixes=8, num_prompts=16, output_len=8, freeze_at_s=10.0,
              freeze_s=6.0)  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def counter(url: str, name: str) -> float:
-    """A Prometheus counter of the server, summed over its label sets."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{")
-    )
-
-
-class Server:
-    def __init__(
-        self, name: str, model: str, work: Path, env_extra: dict[str, str],
-        args: list[str],
-    ):  # fmt: skip
-        self.name = name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = work / f"{name}.log"
-        env = clean_env()
-        env.update(HF_HUB_OFFLINE="1", **env_extra)
-        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model]
-        cmd += ["--served-model-name", "smollm2", "--dtype", "float32"]
-        cmd += ["--enforce-eager", "--max-model-len", "2048"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited:\n{self.log_path.read_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(f"{self.name} not healthy in {timeout_s} s")
-
-    def stop(self) -> float:
-        """SIGINT; the seconds until it exited (inf: killed after the
-        bound)."""
-        start = time.monotonic()
-        took = float("inf")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=EXIT_BOUND_S)
-                took = time.monotonic() - start
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._log.close()
-        return took
 
 
 def bench(plan: Plan, server: Server, model: str, work: Path) -> dict[str, Any]:
@@ -223,35 +155,10 @@ def freeze_during(
     fs.freeze(False)
 
 
-def setup(
-    plan: Plan, work: Path
-) -> tuple[str, dict[str, str], Callable[[Path], dict[str, str]]]:
-    """The model, the servers' environment without the cache, and with the
-    cache on a root."""
-    module = load_script(
-        ROOT / "examples" / "offline_inference" / "vineyard_real_model.py",
-        "vineyard_real_model",
-    )
-    model = module.prepare_model()
-    base_env = {
-        "VLLM_CPU_KVCACHE_SPACE": str(plan.kvcache_space_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-    }
-
-    def cache_env(root: Path) -> dict[str, str]:
-        return {
-            **base_env,
-            "VLLM_USE_VINEYARD_CACHE": "1",
-            "VINEYARD_CACHE_ROOT": str(root),
-            "VINEYARD_CACHE_BACKEND_TIMEOUT_S": str(plan.backend_timeout_s),
-            "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": str(plan.lookup_timeout_s),
-        }
-
-    return model, base_env, cache_env
-
-
 def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]:
-    model, base_env, cache_env = setup(plan, work)
+    model, base_env, cache_env = setup(
+        plan.kvcache_space_gib, plan.backend_timeout_s, plan.lookup_timeout_s
+    )
 
     peer = json.dumps({
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -366,11 +273,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (CI)")
-    parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument(
-        "--workdir", help="keep logs, roots and results here (default: a temp dir)"
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--only", nargs="+", help="run only these configurations (by name)"
     )
@@ -389,31 +292,32 @@ def main(argv: list[str] | None = None) -> int:
         "--peer", action="store_true", help="chats: also vLLM's ExampleConnector"
     )
     args = parser.parse_args(argv)
-    if args.workdir:
-        os.makedirs(args.workdir, exist_ok=True)
-    # Under --workdir the run's folder (logs, roots) is kept for a look.
-    keep = tempfile.mkdtemp(dir=args.workdir) if args.workdir else None
-    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory() as tmp:
-        if args.scenario == "chats":
-            from serve_chats import QUICK_CHATS, ChatPlan, print_chats, run_chats
-
-            chats = QUICK_CHATS if args.quick else ChatPlan()
-            if args.runs:
-                chats = replace(chats, runs=args.runs)
-            if args.think_s is not None:
-                chats = replace(chats, think_s=args.think_s)
-            chats = replace(chats, peer=args.peer)
-            model, base_env, cache_env = setup(Plan(), Path(tmp))
-            result = run_chats(chats, Path(tmp), model, base_env, cache_env)
-            print_chats(result)
-        else:
-            plan = QUICK if args.quick else Plan()
-            result = run(replace(plan), Path(tmp), args.only)
-            print_report(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    if args.scenario == "chats":
+        return run_chats_script(args)
+    with run_folder(args.workdir) as work:
+        plan = QUICK if args.quick else Plan()
+        result = run(replace(plan), work, args.only)
+        print_report(result)
+    write_result(args.json, result)
     return 0
+
+
+def run_chats_script(args: argparse.Namespace) -> int:
+    """``--scenario chats``: ``serve_chats.py``, a script of its own, with
+    the options it takes."""
+    forwarded = ["--quick"] if args.quick else []
+    for flag, value in (
+        ("--json", args.json),
+        ("--workdir", args.workdir),
+        ("--runs", args.runs),
+        ("--think-s", args.think_s),
+    ):
+        if value is not None:
+            forwarded += [flag, str(value)]
+    if args.peer:
+        forwarded.append("--peer")
+    script = HERE / "serve_chats.py"
+    return subprocess.run([sys.executable, str(script), *forwarded]).returncode
 
 
 if __name__ == "__main__":

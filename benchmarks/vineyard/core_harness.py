@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
-from vllm.worker.vineyard.storage.chunks import extend_digests, key_id, load_auth_key
+from vllm.worker.vineyard.storage.digests import extend_digests, key_id, load_auth_key
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 
@@ -140,7 +140,7 @@ class Bench:
             self.cache.save([req])
         self.wait_idle()
         elapsed = time.perf_counter() - start
-        self.cache.release(tag)
+        self.cache.saves.release(tag)
         got = self.cache.metrics.snapshot()["tokens_written"] - written
         if got != n:
             raise RuntimeError(f"wrote {got} of {n} tokens")

@@ -14,22 +14,38 @@ first and later rounds, the share of the tokens the previous round computed
 (its prompt and answer, on the other instance) that the next round found
 cached (``prompt_tokens_details.cached_tokens``, local and external hits),
 and for the cache, updates submitted and skipped and backend restarts.
+Usage::
+
+    python benchmarks/vineyard/serve_chats.py [--quick] [--json out.json]
+        [--runs N] [--think-s S] [--peer]
+
+(the same as ``benchmark_serve.py --scenario chats``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmark_serve import Server, counter
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness
+from serve_harness import (  # noqa: E402
+    Server,
+    add_run_arguments,
+    counter,
+    run_folder,
+    setup,
+    write_result,
+)
 
 #: Common words: random text of about one token per word.
 _COMMON = """
@@ -249,3 +265,30 @@ def print_chats(result: dict[str, Any]) -> None:
             row = "".join(f"{r[c]:26.2f}" if c in r else f"{'-':>26}" for c in cols)
             ratio = r["later_rounds_ttft_ms"] / base if base else 0.0
             print(f"  {f'{i + 1}: {name}':22}{row}  {ratio:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
+    parser.add_argument("--runs", type=int, help="runs of each config")
+    parser.add_argument("--think-s", type=float, help="pause before each next round")
+    parser.add_argument(
+        "--peer", action="store_true", help="also vLLM's ExampleConnector"
+    )
+    args = parser.parse_args(argv)
+    chats = QUICK_CHATS if args.quick else ChatPlan()
+    if args.runs:
+        chats = replace(chats, runs=args.runs)
+    if args.think_s is not None:
+        chats = replace(chats, think_s=args.think_s)
+    chats = replace(chats, peer=args.peer)
+    with run_folder(args.workdir) as work:
+        model, base_env, cache_env = setup()
+        result = run_chats(chats, work, model, base_env, cache_env)
+        print_chats(result)
+    write_result(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

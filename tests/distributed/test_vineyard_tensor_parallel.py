@@ -29,11 +29,8 @@ from tests.vineyard_engine_testing import (
 )
 from tests.vineyard_testing import random_tokens
 from tests.vineyard_toy_model import make_toy_llama
-from vllm.worker.vineyard.storage.chunks import (
-    ChunkFiles,
-    extend_digests,
-    synthetic_ids,
-)
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
 
 PROMPT_LEN = 900
 LONGER_BY = 300

@@ -35,7 +35,7 @@ from tests.vineyard_testing import (
 from vllm.worker.vineyard.backend.protocol import BackendSettings, StatsRequest
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
-from vllm.worker.vineyard.storage.chunks import (
+from vllm.worker.vineyard.storage.digests import (
     extend_digests,
     key_id,
     load_auth_key,
@@ -131,9 +131,9 @@ class TestingCache(VineyardLLMCache):
         """``may_take_buffer=False`` skips as if the pool were empty (tensor
         parallel peers skipping together)."""
         if may_take_buffer:
-            return super().save(requests)
+            return self.saves.save(requests)
         with mock.patch.object(self._pool, "get", return_value=None):
-            return super().save(requests)
+            return self.saves.save(requests)
 
     def can_save(self) -> bool:
         """Whether :meth:`save` would find a free buffer and a backend."""
@@ -155,7 +155,7 @@ class TestingCache(VineyardLLMCache):
     @property
     def _resume(self) -> dict[str, tuple[int, int]]:
         """Per request: (the scheduler's save_from, the next token to save)."""
-        return self._saves._resume
+        return self.saves.ledger._resume
 
 
 @contextlib.contextmanager
@@ -346,12 +346,11 @@ class CacheHarness:
 
     @property
     def chunk_size(self) -> int:
-        return self.cache.chunk_size
+        return self.cache.layout.chunk_size
 
     @property
-    def root(self) -> str:
-        """The namespace directory."""
-        return self.cache.files.root
+    def namespace_dir(self) -> str:
+        return self.cache.files.namespace_dir
 
     def digests(self, tokens: Sequence[int]) -> list[bytes]:
         return extend_digests([], tokens, self.block_size, self.salt)
@@ -395,7 +394,7 @@ class CacheHarness:
         if num_computed is None:
             num_computed = len(tokens)
         self.save_all([self.request(req_id, tokens, num_computed, blocks)])
-        self.cache.release(req_id)
+        self.cache.saves.release(req_id)
         return blocks
 
     def check_loaded(

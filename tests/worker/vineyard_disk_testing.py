@@ -32,12 +32,9 @@ from tests.worker.vineyard_cache_testing import (
     make_layout,
     open_llm_cache,
 )
-from vllm.worker.vineyard.storage.chunks import (
-    ChunkFiles,
-    extend_digests,
-    synthetic_ids,
-)
-from vllm.worker.vineyard_llm_cache import SaveRequest
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
+from vllm.worker.vineyard.transfer.saves import SaveRequest
 
 # The small model of the cache tests (chunks of two blocks), more blocks.
 NUM_BLOCKS = 256
@@ -86,7 +83,7 @@ class Harness:
             if not self.cache.save([req]):
                 break
             self.wait()
-        self.cache.release(req.req_id)
+        self.cache.saves.release(req.req_id)
 
     def write_whole(self, tokens: Sequence[int], timeout_s: float = 30.0) -> None:
         """Write ``tokens`` until all their whole chunks load: chunks a
@@ -129,7 +126,7 @@ class Harness:
 
     def poll_stats(self) -> None:
         """Ask the writer for its (and its sweeper's) counts now."""
-        self.cache._poll_writer_stats()
+        self.cache.saves.poll_stats()
 
 
 def open_cache(root: Path, seed: int = 0, **config_fields: Any) -> Harness:
@@ -161,7 +158,7 @@ def partial_chunk_files(files: ChunkFiles) -> list[str]:
     header says a complete chunk has: a write cut short. (Files a
     sweeper evicts during the walk are not.)"""
     bad = []
-    for path in chunk_files(files.root):
+    for path in chunk_files(files.namespace_dir):
         try:
             size = os.path.getsize(path)
             if size == 0:

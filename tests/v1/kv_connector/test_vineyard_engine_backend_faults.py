@@ -21,11 +21,8 @@ from tests.vineyard_engine_testing import (
     run_engine,
     standard_prompts,
 )
-from vllm.worker.vineyard.storage.chunks import (
-    ChunkFiles,
-    extend_digests,
-    synthetic_ids,
-)
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
 from vllm.worker.vineyard.storage.namespaces import MANIFEST
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
 

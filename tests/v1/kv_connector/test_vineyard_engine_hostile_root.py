@@ -27,11 +27,8 @@ from tests.vineyard_engine_testing import (
     run_engine,
 )
 from tests.vineyard_testing import random_tokens
-from vllm.worker.vineyard.storage.chunks import (
-    ChunkFiles,
-    extend_digests,
-    synthetic_ids,
-)
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
 from vllm.worker.vineyard.storage.scan import scan_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

@@ -25,7 +25,7 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector import weight_identity
-from vllm.worker.vineyard.connector.scheduler import NEVER
+from vllm.worker.vineyard.connector.request_state import NEVER
 from vllm.worker.vineyard.storage import weights
 
 pytestmark = pytest.mark.timeout(120)

@@ -43,7 +43,7 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.connector.scheduler import VineyardConnectorScheduler
-from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.storage.digests import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 

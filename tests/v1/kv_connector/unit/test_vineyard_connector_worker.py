@@ -46,7 +46,7 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
 from tests.vineyard_testing import wait_until
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
-from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -258,7 +258,7 @@ def test_one_rank_write_failure_is_retried(
     and writes them, and the prompt is cached on both ranks."""
     config, workers = rank_workers
     layouts = [w.layout for w in workers]
-    rank1_root = workers[1].cache.files.root
+    rank1_root = workers[1].cache.files.namespace_dir
     os.rename(rank1_root, rank1_root + ".away")
     with open(rank1_root, "w") as f:
         f.write("not a directory")

@@ -45,8 +45,8 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     make_model_dir,
 )
 from tests.vineyard_testing import resume_processes
+from vllm.worker.vineyard.connector.removals import RESET_WAIT_S
 from vllm.worker.vineyard.connector.request_keys import request_keys
-from vllm.worker.vineyard.connector.scheduler import RESET_WAIT_S
 
 pytestmark = pytest.mark.timeout(120)
 

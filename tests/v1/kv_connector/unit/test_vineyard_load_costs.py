@@ -30,6 +30,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     MIN_STEP_TOKENS,
     PROBE_INTERVAL_S,
     LoadCosts,
+    RememberedCosts,
 )
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
@@ -126,6 +127,28 @@ def test_a_steps_overhead_is_priced_apart_from_its_tokens(
     assert costs.compute_s_per_token == pytest.approx(per_token, 0.01)
     # 2,048 tokens: two full steps of 1,024.
     assert costs.compute_s(2048) == pytest.approx(2 * overhead + 2048 * per_token)
+
+
+def test_a_restarted_engine_starts_from_the_remembered_prices(
+    costs: LoadCosts,
+    clock: FakeClock,
+    metrics: VineyardCacheMetrics,
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "costs.json")
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-2)
+    RememberedCosts(path, "root|ns", costs).save()
+    again = LoadCosts(BLOCK_SIZE, 1024, lambda: metrics, clock)
+    RememberedCosts(path, "root|ns", again)
+    assert again.promise(HIT) == 0  # known slow from the start
+    other = LoadCosts(BLOCK_SIZE, 1024, lambda: metrics, clock)
+    RememberedCosts(path, "another root|ns", other)
+    assert other.promise(HIT) == HIT  # nothing known: loaded
+    Path(path).write_text("{not json")
+    broken = LoadCosts(BLOCK_SIZE, 1024, lambda: metrics, clock)
+    RememberedCosts(path, "root|ns", broken)  # a cold start, no error
+    assert broken.promise(HIT) == HIT
 
 
 # ---- on vLLM's real Scheduler -----------------------------------------------

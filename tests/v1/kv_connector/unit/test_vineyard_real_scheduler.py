@@ -48,7 +48,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 from tests.vineyard_testing import resume_processes, wait_until
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
-from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.storage.digests import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ from tests.v1.kv_connector.unit.vineyard_connector_testing import (
     make_scheduler,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
-from vllm.worker.vineyard.connector.scheduler import NEVER
+from vllm.worker.vineyard.connector.request_state import NEVER
 
 pytestmark = pytest.mark.timeout(120)
 

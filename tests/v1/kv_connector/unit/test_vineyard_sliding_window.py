@@ -46,9 +46,9 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     make_model_dir,
 )
 from tests.vineyard_testing import resume_processes
-from vllm.worker.vineyard.connector.scheduler import NULL_BLOCK_ID
+from vllm.worker.vineyard.connector.request_state import NULL_BLOCK_ID
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
-from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.storage.digests import extend_digests
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -64,7 +64,7 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardConnectorMetadata,
 )
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
-from vllm.worker.vineyard.storage.chunks import extend_digests, synthetic_ids
+from vllm.worker.vineyard.storage.digests import extend_digests, synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 
 NUM_LAYERS = 2

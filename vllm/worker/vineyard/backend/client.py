@@ -3,8 +3,10 @@
 """The engine-side handle of a vineyard backend process
 (:mod:`~vllm.worker.vineyard.backend.server`): it starts the process, sends it
 requests over a socket (:mod:`~vllm.worker.vineyard.backend.protocol`),
-waits for answers with a timeout, and restarts or disables a process that
-dies or stalls.
+waits for answers while the process makes progress
+(:mod:`~vllm.worker.vineyard.backend.progress`), and restarts or disables a
+process that dies or stalls (its runs:
+:mod:`~vllm.worker.vineyard.backend.runs`).
 
 Imports neither vLLM nor torch.
 """
@@ -20,12 +22,13 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from vllm.worker.vineyard import launch
+from vllm.worker.vineyard.backend.progress import ProgressWatch, disk_stat_path
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec, Request
+from vllm.worker.vineyard.backend.runs import BackendRun, reap, reap_later
 
 logger = logging.getLogger(__name__)
 
@@ -33,142 +36,6 @@ ReplyT = TypeVar("ReplyT")
 
 #: How often a wait for an answer looks at the backend's progress.
 PROGRESS_POLL_S = 0.25
-#: A backend that keeps making progress is waited for up to this many
-#: timeouts of its own time (not counting its waits for a CPU) before it is
-#: taken for hung (a loop that never finishes).
-MAX_BUSY_TIMEOUTS = 10
-#: A backend that waited this long for a CPU during one request may run on
-#: every core from then on, beside its own engine's forward pass (it starts
-#: on the cores the worker does not use).
-STARVED_S = 1.0
-
-
-def _disk_stat_path(path: str) -> str | None:
-    """The I/O counters of the block device ``path`` is on, if it is on one
-    (not a network or FUSE filesystem)."""
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return None
-    stat_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
-    return stat_path if os.path.exists(stat_path) else None
-
-
-@dataclass(frozen=True)
-class _Sample:
-    """What ``/proc`` tells of a backend process at one moment."""
-
-    #: What changes while it serves a request, however slowly: its main
-    #: thread's CPU time, bytes read and written, and context switches
-    #: (each blocking call that returns is one, so a filesystem that answers
-    #: slowly counts); while the thread waits for the disk, the I/O the disk
-    #: completes; while a thread waits for a CPU, always new. It stands
-    #: still while the thread is stopped, blocked in the kernel on a
-    #: filesystem that hangs, or waiting for something that does not come.
-    progress: tuple[int, ...]
-    ran_s: float  # the CPU time all its threads have had (the scheduler's)
-    #: Whether a thread waits for a CPU: the main thread, or another one
-    #: while the main thread sleeps (it may wait for the GIL that a starved
-    #: thread holds).
-    runnable: bool
-
-
-def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
-    """One reading of process ``pid`` (``disk_stat``: the counters of the
-    block device its root is on), each thread's files read once: the
-    forward thread takes it every step while a request is in flight.
-    ``None`` where ``/proc`` does not tell."""
-    if pid is None:
-        return None
-    task = f"/proc/{pid}/task/{pid}"
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        with open(f"{task}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        state = fields[0]
-        # A stopped thread or one in uninterruptible I/O (see the disk) is
-        # not waiting for a CPU, whatever its other threads do.
-        runnable = state == b"R"
-        ran_ns = 0
-        for tid in tids:
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    ran_ns += int(f.read().split()[0])
-                if state == b"S" and not runnable and tid != str(pid):
-                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                        thread_state = f.read().rsplit(b")", 1)[1].split()[0]
-                    runnable = thread_state == b"R"
-        disk: tuple[int, ...] = ()
-        if runnable:
-            # Waiting for a CPU that busy engines keep: starved, which is
-            # slow, not hung (an always-new value: progress).
-            disk = (time.monotonic_ns(),)
-        elif disk_stat is not None and state == b"D":
-            # Waiting for the disk (fsync, writeback): its progress counts.
-            with open(disk_stat, "rb") as f:
-                counts = f.read().split()
-            disk = (int(counts[0]), int(counts[4]))  # reads, writes completed
-        with open(f"{task}/status", "rb") as f:
-            status = dict(line.split(b":", 1) for line in f.read().splitlines())
-        with open(f"{task}/io", "rb") as f:
-            io = dict(line.split(b":", 1) for line in f.read().splitlines())
-        progress = (
-            int(fields[11]),  # utime (field 14; the state is field 3)
-            int(fields[12]),  # stime
-            int(status[b"voluntary_ctxt_switches"]),
-            int(status[b"nonvoluntary_ctxt_switches"]),
-            int(io[b"rchar"]),
-            int(io[b"wchar"]),
-            *disk,
-        )
-    except (OSError, ValueError, KeyError, IndexError):
-        return None
-    return _Sample(progress, ran_ns / 1e9, runnable)
-
-
-@dataclass
-class _Watch:
-    """The progress of the request in flight."""
-
-    mark: tuple[int, ...] | None  # its process's progress as last seen
-    quiet_since: float  # when that last changed
-    checked_at: float
-    ran_s: float | None  # its process's CPU time at ``checked_at``
-    #: Time the request has had: while its process is runnable, only the
-    #: CPU time it got. Busy engines can starve a backend for tens of
-    #: seconds (measured with two instances on two cores), and a starved
-    #: backend is slow, not hung.
-    busy_s: float = 0.0
-    starved_s: float = 0.0  # the rest: runnable, without a CPU
-
-
-class BackendRun:
-    """One run of a backend process (a restart starts another), as the
-    requests sent to it see it: the shared memory a request names (a buffer
-    to read into) is the process's until it answers, or, if it was given up
-    on first, until it is gone. A process killed in the middle of a
-    filesystem call (uninterruptible) exits only when the call returns, and
-    a read then still lands in its buffer."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]):
-        self._proc = proc
-        #: Stopped (killed, or found dead) by its handle: a request in
-        #: flight then was never answered.
-        self.stopped = False
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def gone(self) -> bool:
-        """Whether the process has exited, every thread of it (``waitpid``
-        says so: its memory is unmapped). Never waits."""
-        return self._proc.poll() is not None
-
-    def may_still_write(self) -> bool:
-        """Whether memory a request named may still be written by this
-        process: it was stopped before it answered, and is not gone."""
-        return self.stopped and not self.gone()
 
 
 #: Longest close() waits for a call or start that holds the handle after
@@ -217,9 +84,8 @@ class BackendProcess:
         # counts as the backend's progress: a write waiting seconds in
         # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
         # lookup process's handle must never touch the root).
-        self._disk_stat = _disk_stat_path(spec.cache_root) if disk_progress else None
-        self._watch = _Watch(None, 0.0, 0.0, None)
-        self._everywhere = False  # the process may run on every core
+        disk_stat = disk_stat_path(spec.cache_root) if disk_progress else None
+        self._progress = ProgressWatch(name, disk_stat)
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own, and a
         # process given up on is killed without waiting: a thread of its own
@@ -315,8 +181,8 @@ class BackendProcess:
                 # Own process group: a terminal's Ctrl-C goes to vLLM, which
                 # then shuts us down in order. Not a session of its own:
                 # Linux schedules each session as one group (autogroup), and
-                # a fresh group on a loaded core was seen to wait 20 s and
-                # more before its first run there.
+                # a fresh group on a loaded core can wait tens of seconds
+                # before its first run there.
                 process_group=0,
             )
         finally:
@@ -337,58 +203,21 @@ class BackendProcess:
                 raise BackendError(f"{self.name} backend failed to start: {payload}")
         except (EOFError, OSError) as e:
             conn.close()
-            self._reap(proc)
+            reap(proc, self._exit_wait_s)
             raise BackendError(
                 f"{self.name} backend exited during startup "
                 f"(exit code {proc.returncode}): {e}"
             ) from e
         except BackendError:
             conn.close()
-            self._reap(proc)
+            reap(proc, self._exit_wait_s)
             raise
         finally:
             # Set while it starts: close() kills it from another thread.
             self._starting = None
         self._proc, self._conn = proc, conn
         self._run = BackendRun(proc)
-        self._everywhere = False  # a new process starts off the worker's cores
-
-    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            proc.wait(timeout=self._exit_wait_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("vineyard backend pid %d did not exit", proc.pid)
-
-    def _reap_later(self, proc: subprocess.Popen[bytes]) -> None:
-        """Kill ``proc`` and return at once; a thread of its own waits for
-        it to exit (for as long as it takes: one stuck in the kernel exits
-        when its call returns)."""
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(OSError):
-            proc.kill()
-
-        def reap() -> None:
-            try:
-                proc.wait(timeout=self._exit_wait_s)
-            except subprocess.TimeoutExpired:
-                logger.warning(
-                    "vineyard %s backend pid %d did not exit %.0f s after it "
-                    "was killed (stuck in the kernel?); waiting for it",
-                    self.name,
-                    proc.pid,
-                    self._exit_wait_s,
-                )
-                proc.wait()
-
-        # Without a thread (none can start), whoever asks BackendRun.gone()
-        # reaps it.
-        with contextlib.suppress(RuntimeError):
-            threading.Thread(
-                target=reap, name=f"vineyard-{self.name}-reap", daemon=True
-            ).start()
+        self._progress.new_process()
 
     def _stop_locked(self, wait: bool = True) -> None:
         """Stop the process; ``wait=False``: never wait for it to exit
@@ -398,7 +227,7 @@ class BackendProcess:
             proc, conn = self._starting
             self._starting = None
             conn.close()
-            self._reap(proc)
+            reap(proc, self._exit_wait_s)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -406,9 +235,9 @@ class BackendProcess:
             if self._run is not None:
                 self._run.stopped = True
             if wait:
-                self._reap(self._proc)
+                reap(self._proc, self._exit_wait_s)
             else:
-                self._reap_later(self._proc)
+                reap_later(self._proc, self.name, self._exit_wait_s)
             self._proc = None
 
     def _ensure_running_locked(self) -> Connection:
@@ -475,69 +304,13 @@ class BackendProcess:
             self._in_flight = request.op
             assert self._run is not None
             run = self._run
-            now = time.monotonic()
-            seen = _sample(self._pid(), self._disk_stat)
-            self._watch = _Watch(
-                seen.progress if seen else None,
-                now,
-                now,
-                seen.ran_s if seen else None,
-            )
+            self._progress.start(self._pid())
         finally:
             self._lock.release()
         return run
 
     def _pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    def _stall_locked(self, quiet_s: float) -> str | None:
-        """Why the request in flight is taken for hung, or ``None``: its
-        process made no progress for ``quiet_s``, or has been busy with it
-        for :data:`MAX_BUSY_TIMEOUTS` times that, not counting its waits
-        for a CPU. A process starved of CPU or waiting for a busy disk is
-        slow, not hung: it goes on."""
-        watch, now, pid = self._watch, time.monotonic(), self._pid()
-        seen = _sample(pid, self._disk_stat)
-        if seen is not None and seen.progress != watch.mark:
-            watch.mark, watch.quiet_since = seen.progress, now
-        elapsed_s = had_s = now - watch.checked_at
-        if seen is not None and watch.ran_s is not None and seen.runnable:
-            # Runnable: the CPU it got, not the time it waited for one.
-            had_s = min(had_s, max(0.0, seen.ran_s - watch.ran_s))
-        watch.busy_s += had_s
-        watch.starved_s += elapsed_s - had_s
-        watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
-        if watch.starved_s >= STARVED_S and pid is not None and not self._everywhere:
-            self._run_everywhere(pid, watch.starved_s)
-        if now - watch.quiet_since >= quiet_s:
-            return f"no progress for {quiet_s:g} s"
-        if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
-            return (
-                f"still busy after {watch.busy_s:.0f} s (not counting its "
-                "waits for a CPU)"
-            )
-        return None
-
-    def _run_everywhere(self, pid: int, starved_s: float) -> None:
-        """Let a starved backend run on every core. The cores the worker
-        does not use can be as busy as its own (another instance's engine
-        there, every core bound to an engine), and Linux shares a core
-        among groups of processes (sessions, cgroups) by each group's load
-        on it: alone on another group's busy core, a backend was measured
-        to get no CPU for 12-20 s, while beside its own engine its group
-        has its share (and the writer's nice 10 lets the pass win)."""
-        self._everywhere = True
-        every = range(os.cpu_count() or 1)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(tid), every)
-        logger.info(
-            "%s vineyard backend waited %.1f s for a CPU on the cores the "
-            "worker does not use; it may run on every core now",
-            self.name,
-            starved_s,
-        )
 
     def stalled(self, quiet_s: float | None = None) -> str | None:
         """For a caller that must not wait (the forward thread): why the
@@ -546,7 +319,8 @@ class BackendProcess:
         with self._lock:
             if self._in_flight is None:
                 return None
-            return self._stall_locked(self._timeout_s if quiet_s is None else quiet_s)
+            quiet_s = self._timeout_s if quiet_s is None else quiet_s
+            return self._progress.stall(self._pid(), quiet_s)
 
     def _running_locked(self) -> bool:
         return (
@@ -615,14 +389,14 @@ class BackendProcess:
 
     def _wait_for_answer_locked(self, conn: Connection, quiet_s: float) -> str | None:
         """Wait for the answer while the process makes progress (see
-        :meth:`_stall_locked`). ``None`` once it has come, else why not;
+        :meth:`ProgressWatch.stall`). ``None`` once it has come, else why not;
         ``quiet_s`` 0 gives up at once."""
         while True:
             if conn.poll(min(quiet_s, PROGRESS_POLL_S)):
                 return None
             if quiet_s <= 0:
                 return "given up on"
-            why = self._stall_locked(quiet_s)
+            why = self._progress.stall(self._pid(), quiet_s)
             if why is not None:
                 return why
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from vllm.worker.vineyard.config import GiB, VineyardLLMCacheConfig
+from vllm.worker.vineyard.storage.file_modes import FileModes, file_modes
 
 
 class BackendError(RuntimeError):
@@ -32,11 +33,12 @@ class BackendError(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendSettings:
-    """The settings a backend keeps the root by, as the config has them
-    (the config table is their only home, hence no defaults here)."""
+    """The settings a backend keeps the root by, from the config (the
+    config table is their only home, hence no defaults here); ``modes``:
+    those of everything it creates (``VINEYARD_CACHE_GROUP_ACCESS``)."""
 
     auth_key_file: str
-    group_access: bool
+    modes: FileModes
     disk_limit_bytes: int
     ttl_s: float
     sweep_interval_s: float
@@ -45,7 +47,7 @@ class BackendSettings:
     def from_config(cls, config: VineyardLLMCacheConfig) -> BackendSettings:
         return cls(
             auth_key_file=config.auth_key_file,
-            group_access=config.group_access,
+            modes=file_modes(config.group_access),
             disk_limit_bytes=int(config.disk_limit_gb * GiB),
             ttl_s=config.ttl_s,
             sweep_interval_s=config.sweep_interval_s,
@@ -62,7 +64,7 @@ class BackendSpec:
     """
 
     settings: BackendSettings
-    root: str  # the namespace directory
+    namespace_dir: str
     blocks_per_chunk: int
     entry_bytes: int
     max_blocks: int
@@ -70,10 +72,10 @@ class BackendSpec:
     sweep: bool = False
     cache_root: str = ""
     # "lookup": the scheduler's lookups (by stat, of every TP rank's
-    # namespace in ``lookup_roots``), in a process that can be abandoned
-    # when the root hangs; no vineyard, no buffers.
+    # namespace in ``lookup_namespace_dirs``), in a process that can be
+    # abandoned when the root hangs; no vineyard, no buffers.
     role: str = "cache"
-    lookup_roots: tuple[str, ...] = ()
+    lookup_namespace_dirs: tuple[str, ...] = ()
 
     @property
     def buffer_bytes(self) -> int:
@@ -86,7 +88,9 @@ class BackendSpec:
     @classmethod
     def from_json(cls, text: str) -> BackendSpec:
         fields: dict[str, Any] = json.loads(text)
-        fields["settings"] = BackendSettings(**fields["settings"])
+        settings = fields["settings"]
+        settings["modes"] = FileModes(**settings["modes"])
+        fields["settings"] = BackendSettings(**settings)
         return cls(**fields)
 
 

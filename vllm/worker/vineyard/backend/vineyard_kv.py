@@ -69,7 +69,7 @@ def open_kv_cache(
     # the process that wrote, so it is switched off.
     config = llm.FileCacheConfig(
         chunk_size=spec.blocks_per_chunk,
-        root=spec.root,
+        root=spec.namespace_dir,
         gc_interval=YEAR_S,
         ttl=10 * YEAR_S,
     )

@@ -19,7 +19,7 @@ rules); ``verify`` checks each entry as a load does. Also runs as ``python
 -m vllm.worker.vineyard.cli``, or through ``vllm/worker/vineyard/launch.py
 cli`` (which skips vLLM's import: it needs neither vLLM nor torch).
 
-One module per command (``ls``, ``verify``, ``remove``: purge and evict,
+One module per command (``ls``, ``verify``, ``purge``, ``evict``,
 ``settings``); :mod:`.main` parses the command line.
 """
 

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from vllm.worker.vineyard.cli.arguments import UsageError, number, parse_size
+from vllm.worker.vineyard.cli.evict import cmd_evict
 from vllm.worker.vineyard.cli.ls import cmd_ls
-from vllm.worker.vineyard.cli.remove import cmd_evict, cmd_purge
+from vllm.worker.vineyard.cli.purge import cmd_purge
 from vllm.worker.vineyard.cli.settings import cmd_settings
 from vllm.worker.vineyard.cli.verify import cmd_verify
 

@@ -8,13 +8,12 @@ shows them too."""
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 from typing import Any, TextIO
 
 from vllm.worker.vineyard.cli.arguments import UsageError, root_argument
 from vllm.worker.vineyard.cli.output import print_json
 from vllm.worker.vineyard.config import GiB, VineyardLLMCacheConfig
+from vllm.worker.vineyard.storage.file_modes import modes_of_root
 from vllm.worker.vineyard.storage.root_files import (
     RootSettings,
     read_root_settings,
@@ -65,8 +64,9 @@ def cmd_settings(args: argparse.Namespace, out: TextIO) -> int:
             )
         except ValueError as e:
             raise UsageError(str(e).replace("disk_limit_bytes", "--disk-limit")) from e
+        # Group-writable only where the root is shared by a group.
         settings = record_root_settings(
-            root, new, replace=True, group_access=_group_access(root)
+            root, new, replace=True, modes=modes_of_root(root)
         )
         error = None
     if args.json:
@@ -80,10 +80,3 @@ def cmd_settings(args: argparse.Namespace, out: TextIO) -> int:
         file=out,
     )
     return 0
-
-
-def _group_access(root: str) -> bool:
-    """Whether the root is shared by a group (instances with
-    ``VINEYARD_CACHE_GROUP_ACCESS=1`` make it group-writable): only then is
-    the settings file written group-writable too."""
-    return bool(os.stat(root).st_mode & stat.S_IWGRP)

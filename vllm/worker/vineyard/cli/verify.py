@@ -17,21 +17,17 @@ from typing import Any, TextIO
 from vllm.worker.vineyard.cli.arguments import UsageError, root_argument
 from vllm.worker.vineyard.cli.output import human, print_json
 from vllm.worker.vineyard.storage.chunks import (
-    FORMAT_VERSION,
-    TRAILER_BYTES,
     ChunkFiles,
-    Sealer,
     chunk_file_bytes,
-    claimed_id,
     entries_at,
     header_count,
     header_ids,
-    key_id,
-    load_auth_key,
 )
+from vllm.worker.vineyard.storage.digests import FORMAT_VERSION, key_id, load_auth_key
 from vllm.worker.vineyard.storage.removal import remove_file
 from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
 from vllm.worker.vineyard.storage.scan import NamespaceScan, RootScan, scan_root
+from vllm.worker.vineyard.storage.sealing import TRAILER_BYTES, Sealer, claimed_id
 
 
 class _Vanished(Exception):

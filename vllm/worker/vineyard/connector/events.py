@@ -28,7 +28,8 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from vllm.worker.vineyard.storage.chunks import ChunkFiles, synthetic_ids
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import synthetic_ids
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -20,17 +20,24 @@ link shows in the next loads; a link found too slow gets no loads, so at
 most every :data:`PROBE_INTERVAL_S` one hit is loaded anyway as a probe,
 whose price replaces the old ones (the workers stop any load that runs
 slower than computing the rest, so a probe costs little). Until both
-estimates exist, hits are loaded.
+estimates exist, hits are loaded. The estimates outlive the engine
+(:class:`RememberedCosts`): a restarted engine starts from the prices its
+predecessor on this host saw for the same root and namespace.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import logging
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
@@ -90,8 +97,11 @@ class LoadCosts:
         max_step_tokens: int,
         metrics: Callable[[], VineyardCacheMetrics],
         clock: Callable[[], float] = time.monotonic,
+        decide: bool = True,
     ):
         self.block_size = block_size
+        # False (load policy "always"): every hit is loaded, none stopped.
+        self.decide = decide
         self.max_step_tokens = max_step_tokens
         self._metrics = metrics
         self._clock = clock
@@ -154,6 +164,12 @@ class LoadCosts:
             return None
         return statistics.median(self._load_s_per_block) * blocks
 
+    @property
+    def stop_price(self) -> float | None:
+        """What a load must beat per token, or be stopped (see the
+        workers' loads); ``None``: never stopped."""
+        return self.compute_s_per_token if self.decide else None
+
     def compute_s(self, tokens: int) -> float | None:
         """The expected time to compute ``tokens`` prompt tokens."""
         line = self._steps_fit.line()
@@ -166,8 +182,8 @@ class LoadCosts:
         """How many of ``hit_tokens`` (a cached prefix, whole blocks) to
         load: all of them, or none when computing them is expected to be
         faster (but for a probe now and then)."""
-        if hit_tokens <= 0:
-            return 0
+        if hit_tokens <= 0 or not self.decide:
+            return max(0, hit_tokens)
         load_s = self.load_s(hit_tokens // self.block_size)
         compute_s = self.compute_s(hit_tokens)
         if load_s is None or compute_s is None or load_s * MARGIN <= compute_s:
@@ -198,6 +214,24 @@ class LoadCosts:
             "loaded again" if loading else "computed until the link is faster",
         )
 
+    def state(self) -> dict[str, Any]:
+        """The estimates, to remember across restarts."""
+        return {
+            "load_s_per_block": list(self._load_s_per_block),
+            "steps": asdict(self._steps_fit),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Start from remembered estimates (ignored if malformed)."""
+        with contextlib.suppress(TypeError, ValueError):
+            loads = [float(s) for s in state.get("load_s_per_block", [])]
+            steps = _WeightedFit(**{k: float(v) for k, v in state["steps"].items()})
+            self._load_s_per_block.extend(s for s in loads if s > 0)
+            self._steps_fit = steps
+            if self._load_s_per_block:
+                self._last_load_at = self._clock()  # the next probe is due later
+            self._publish()
+
     def _publish(self) -> None:
         gauges = {}
         per_block = self.load_s(1)
@@ -207,3 +241,45 @@ class LoadCosts:
         if per_token is not None:
             gauges["compute_us_per_token"] = round(1e6 * per_token)
         self._metrics().record(gauges)
+
+
+#: Estimates are remembered at most this often (and at shutdown).
+REMEMBER_INTERVAL_S = 60.0
+
+
+class RememberedCosts:
+    """The estimates of :class:`LoadCosts`, kept in a local file across
+    restarts, per cache root and namespace (several engines of one host
+    share the file; the last to write a key wins). Best effort: a file that
+    cannot be read or written costs only a cold start."""
+
+    def __init__(self, path: str, key: str, costs: LoadCosts):
+        self._path = path
+        self._key = key
+        self._costs = costs
+        self._saved_at = time.monotonic()
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                state = json.load(f).get(key)
+            if isinstance(state, dict):
+                costs.restore(state)
+
+    def maybe_save(self) -> None:
+        if time.monotonic() - self._saved_at >= REMEMBER_INTERVAL_S:
+            self.save()
+
+    def save(self) -> None:
+        self._saved_at = time.monotonic()
+        folder = os.path.dirname(self._path) or "."
+        with contextlib.suppress(OSError, ValueError):
+            os.makedirs(folder, exist_ok=True)
+            doc: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError), open(self._path) as f:
+                loaded = json.load(f)
+                if isinstance(loaded, dict):
+                    doc = loaded
+            doc[self._key] = self._costs.state()
+            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=folder)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self._path)

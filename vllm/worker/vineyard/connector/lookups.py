@@ -26,11 +26,9 @@ from vllm.worker.vineyard.backend.protocol import (
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.chunks import (
-    synthetic_ids,
-)
+from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
+from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
-from vllm.worker.vineyard.storage.lookup import count_cached_chunks
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
 
 logger = logging.getLogger(__name__)
@@ -127,13 +125,13 @@ class VineyardCacheLookup:
         files = self._files[0]
         spec = BackendSpec(
             settings=BackendSettings.from_config(self.config),
-            root=files.root,
+            namespace_dir=files.namespace_dir,
             blocks_per_chunk=files.blocks_per_chunk,
             entry_bytes=files.entry_bytes,
             max_blocks=0,
             num_buffers=0,
             role="lookup",
-            lookup_roots=tuple(f.root for f in self._files),
+            lookup_namespace_dirs=tuple(f.namespace_dir for f in self._files),
         )
         process = BackendProcess(
             "lookup", spec, None, self.config.backend_timeout_s, exit_wait_s=0.1

@@ -26,12 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+from vllm.worker.vineyard.log_limiter import LogLimiter
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+_log = LogLimiter(logger)
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,18 @@ def request_options(request: Request) -> RequestOptions:
     """The request's ``kv_transfer_params`` for the cache. A value that is
     not understood keeps the request out of the cache (its ``problem``
     says why): an opt-out must never be missed."""
-    params = request.kv_transfer_params or {}
+    options = _parse_options(request.kv_transfer_params or {})
+    if options.problem is not None:
+        _log.warning(
+            "options",
+            "vineyard cache: a request's kv_transfer_params has %s: it is "
+            "served without the cache",
+            options.problem,
+        )
+    return options
+
+
+def _parse_options(params: dict[str, Any]) -> RequestOptions:
     use = params.get(USE_CACHE_PARAM, True)
     cap = params.get(MAX_LOAD_PARAM)
     if not isinstance(use, bool):

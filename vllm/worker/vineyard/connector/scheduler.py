@@ -3,15 +3,14 @@
 """The scheduler side of ``VineyardConnector`` (EngineCore process).
 
 It asks the cache how many more prompt tokens are cached (by file metadata,
-reading no KV, on background threads: the scheduler never waits on the
-filesystem) and tells the workers, per step, which cached blocks to load
-into which blocks and which blocks each running request has now. Loads are
-asynchronous: a request with a hit waits in ``WAITING_FOR_REMOTE_KVS``
-while others run, until its workers report the load finished. Blocks are
-named by chained digests of their token ids and whatever else determines
-their KV (``cache_salt``, a LoRA adapter, multimodal items, prompt
-embeddings: :mod:`.request_keys`), computed here once and sent to
-the workers as deltas.
+on background threads: the scheduler never waits on the filesystem),
+decides whether to load them (:mod:`.load_costs`), and tells the workers,
+per step, which cached blocks to load into which blocks and which blocks
+each running request has now. Loads are asynchronous: a request with a hit
+waits in ``WAITING_FOR_REMOTE_KVS`` while others run. Blocks are named by
+chained digests of their token ids and whatever else determines their KV
+(:mod:`.request_keys`), computed here once and sent to the workers as
+deltas.
 
 The scheduler owns every decision: what each request loads, where its saves
 start (moved back for every rank when a load came up short), and whether
@@ -25,20 +24,19 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import vllm.envs as envs
 from vllm.logger import init_logger
 
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
 from vllm.worker.vineyard.connector.hit_timing import HitTimeline
-from vllm.worker.vineyard.connector.load_costs import LoadCosts
+from vllm.worker.vineyard.connector.load_costs import LoadCosts, RememberedCosts
 from vllm.worker.vineyard.connector.lookups import (
     STEP_WAIT_S,
     BackgroundLookups,
-    NamespaceRemoval,
     VineyardCacheLookup,
 )
 from vllm.worker.vineyard.connector.metadata import (
@@ -47,18 +45,22 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard.connector.removals import ResetRemovals
 from vllm.worker.vineyard.connector.request_keys import (
-    RequestKeys,
     request_keys,
     request_options,
+)
+from vllm.worker.vineyard.connector.request_state import (
+    NEVER,
+    RequestState,
+    freed_blocks,
+    leading_freed_blocks,
 )
 from vllm.worker.vineyard.connector.weight_identity import (
     AdapterIdentities,
     Pending,
 )
-from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.chunks import extend_digests
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -72,107 +74,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-NEVER = 1 << 62  # save_from of requests that must not be cached
-#: The id of vLLM's null block (``BlockPool.null_block``, the first block):
-#: block tables hold it where a sliding window freed a block.
-NULL_BLOCK_ID = 0
 #: Finished requests kept for the KV events of their last writes, at most.
 MAX_FINISHED_TRACKED = 4096
-#: Longest ``reset_cache`` waits for its removal of chunk files (then the
-#: removal goes on in the background; the reset's fence holds at once).
-RESET_WAIT_S = 1.0
-
-
-def leading_freed_blocks(block_ids: Sequence[int], known: int = 0) -> int:
-    """How many blocks at the front of a block table are vLLM's null block
-    (freed out of a sliding window, or never allocated); they are always a
-    prefix. ``known``: a count already known (the table only grows)."""
-    n = min(known, len(block_ids))
-    while n < len(block_ids) and block_ids[n] == NULL_BLOCK_ID:
-        n += 1
-    return n
-
-
-@dataclass
-class _RequestState:
-    request: Request
-    asked_at: float  # monotonic: its first lookup
-    # What besides token ids names its blocks (None until its adapter's
-    # identity is known), and that identity.
-    keys: RequestKeys | None = None
-    adapter: str | None = None
-    digests: list[bytes] = field(default_factory=list)
-    digests_sent: int = 0
-    save_from: int = 0
-    num_local_tokens: int = 0  # vLLM's own prefix-cache hit
-    load: tuple[int, int] | None = None  # to send: load tokens [start, end)
-    load_blocks: list[int] = field(default_factory=list)
-    loading: tuple[int, int] | None = None  # sent, not reported finished
-    # A load of this request came up short here: later lookups stop there
-    # (vLLM asks again after a failed load; the same promise would fail).
-    max_hit: int = NEVER
-    blocks_replaced: bool = True  # the next delta carries the full block list
-    found: int = 0  # tokens from 0 the lookup found on every rank
-    rank_saved: dict[int, int] = field(default_factory=dict)  # from reports
-    saved: int = 0  # tokens from 0 in vineyard on every rank
-    announced: int = 0  # blocks announced by a KV event
-    held_from: int = 0  # blocks before it vLLM has freed (sliding window)
-    # Where its hit's time goes (None: no hit, or not timed any more).
-    timeline: HitTimeline | None = None
-    max_load_tokens: int | None = None  # its own cap (kv_transfer_params)
-    # Whether its hit is computed, not loaded, for a slow link (decided
-    # once, on its first hit).
-    computed_for_speed: bool | None = None
-
-    def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
-        """A rank's write stored tokens ``[begin, end)`` (writes finish in
-        order, so the rank's saved prefix grows when a run continues it)."""
-        saved = self.rank_saved.get(rank, self.found)
-        if begin <= saved < end:
-            self.rank_saved[rank] = end
-        self.saved = min(self.rank_saved.get(r, self.found) for r in range(tp_size))
-
-    def rewind(self, token: int) -> None:
-        """Everything from ``token`` on is to be saved again."""
-        self.save_from = min(self.save_from, token)
-        self.found = min(self.found, token)
-        self.saved = min(self.saved, token)
-        for rank, saved in self.rank_saved.items():
-            self.rank_saved[rank] = min(saved, token)
-
-    def take_digests(self, num_tokens: int, block_size: int) -> tuple[int, list[bytes]]:
-        """The digests of the first ``num_tokens`` tokens' complete blocks
-        that were not sent to the workers yet (marked sent), and the index
-        of the first of them."""
-        num_tokens = min(num_tokens, self.request.num_tokens)
-        digests = self.digests_up_to(num_tokens, block_size)
-        first = self.digests_sent
-        new = digests[first : num_tokens // block_size]
-        self.digests_sent += len(new)
-        return first, new
-
-    def rekey(self, keys: RequestKeys) -> None:
-        """Name its blocks anew (a reset): digests are computed and sent
-        again, and everything is saved again."""
-        self.keys = keys
-        self.digests.clear()
-        self.digests_sent = 0
-        self.rewind(0)
-        self.announced = 0
-
-    def digests_up_to(self, num_tokens: int, block_size: int) -> list[bytes]:
-        """The digests of the complete blocks among the first
-        ``num_tokens`` tokens (computed once per block)."""
-        assert self.keys is not None, "digests before the request's keys"
-        if len(self.digests) * block_size < num_tokens // block_size * block_size:
-            extend_digests(
-                self.digests,
-                self.request.all_token_ids[:num_tokens],
-                block_size,
-                self.keys.seed,
-                self.keys.block_extra,
-            )
-        return self.digests
 
 
 class VineyardConnectorScheduler:
@@ -194,12 +97,12 @@ class VineyardConnectorScheduler:
         self._publish_events = publish_events
         self._events: StorageEvents | None = None
         self._lookup: BackgroundLookups | None = None
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         # Requests with a hit in their first forward pass after the load.
-        self._forwarding: list[_RequestState] = []
+        self._forwarding: list[RequestState] = []
         self._namespaces: list[str] = []  # every rank's, once handshaken
         # Finished requests whose writes may still be reported (KV events).
-        self._finished: collections.OrderedDict[str, _RequestState] = (
+        self._finished: collections.OrderedDict[str, RequestState] = (
             collections.OrderedDict()
         )
         self._ranks_that_cannot_load: set[int] = set()
@@ -207,10 +110,15 @@ class VineyardConnectorScheduler:
         # A reset's new epoch keys blocks apart from all before it.
         self._epoch: str | None = None
         self._adapters: AdapterIdentities | None = None  # on the first LoRA
-        self._removals: collections.deque[NamespaceRemoval] = collections.deque()
+        self._removals: ResetRemovals | None = None  # once handshaken
         self._identity_wait_left = STEP_WAIT_S
-        self._costs = LoadCosts(block_size, max_step_tokens, lambda: self.metrics)
-        self._log = LogLimiter(logger)
+        self._costs = LoadCosts(
+            block_size,
+            max_step_tokens,
+            lambda: self.metrics,
+            decide=config.load_policy == "auto",
+        )
+        self._remembered: RememberedCosts | None = None  # once handshaken
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
         # Sliding-window attention: vLLM frees a running request's blocks
         # once they leave the window (and hands them to other requests).
@@ -241,18 +149,21 @@ class VineyardConnectorScheduler:
             assert isinstance(handshake, VineyardHandshake)
             layouts.append(handshake.layout)
         self._namespaces = [layout.namespace for layout in layouts]
-        self._lookup = BackgroundLookups(
+        self._remembered = RememberedCosts(
+            os.path.join(envs.VLLM_CACHE_ROOT, "vineyard_cache", "load_costs.json"),
+            f"{os.path.realpath(self.config.root)}|{self._namespaces[0]}",
+            self._costs,
+        )
+        lookups = self._lookup = BackgroundLookups(
             VineyardCacheLookup(self.config, layouts, in_process=False),
             self.config.lookup_timeout_s,
         )
+        self._removals = ResetRemovals(lookups, lambda: self.metrics)
         if self._publish_events:
+            # Paths as the workers' backends name removed files: resolved.
+            root = os.path.realpath(self.config.root)
             self._events = StorageEvents(
-                self.block_size,
-                # As the workers' backends name removed files: resolved.
-                [
-                    layout.files(os.path.realpath(self.config.root))
-                    for layout in layouts
-                ],
+                self.block_size, [layout.files(root) for layout in layouts]
             )
 
     def get_num_new_matched_tokens(
@@ -263,9 +174,8 @@ class VineyardConnectorScheduler:
         state = self._state_of(request)
         state.load = None
         state.num_local_tokens = num_computed_tokens
-        if state.save_from == NEVER:
-            return 0, False
-        if state.keys is None and not self._identify(state):
+        identified = state.keys is not None or state.save_from == NEVER
+        if not (identified or self._identify(state)):
             return None, False  # its adapter is being identified
         if state.save_from == NEVER:
             return 0, False
@@ -281,39 +191,31 @@ class VineyardConnectorScheduler:
             state.save_from = state.found = state.saved = save_from
             self._announce(state)  # found on the root
         num_hit = min(num_hit, max(0, state.max_hit - num_computed_tokens))
-        if state.max_load_tokens is not None:
-            cap = state.max_load_tokens // self.block_size * self.block_size
-            num_hit = min(num_hit, cap)
+        if state.max_load_tokens is not None:  # whole blocks of its cap
+            num_hit = min(
+                num_hit, state.max_load_tokens // self.block_size * self.block_size
+            )
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
         if num_hit and state.computed_for_speed is None:
-            state.computed_for_speed = (
-                self.config.load_policy == "auto" and self._costs.promise(num_hit) == 0
-            )
+            state.computed_for_speed = self._costs.promise(num_hit) == 0
         if state.computed_for_speed:
             num_hit = 0
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
         return num_hit, num_hit > 0
 
-    def _state_of(self, request: Request) -> _RequestState:
+    def _state_of(self, request: Request) -> RequestState:
         """The request's state, made on first sight: what it asked of the
         cache (``kv_transfer_params``)."""
         state = self._requests.get(request.request_id)
         if state is not None:
             return state
-        state = _RequestState(request, time.monotonic())
+        state = RequestState(request, time.monotonic())
         state.timeline = HitTimeline(request.arrival_time)
         self._requests[request.request_id] = state
         options = request_options(request)
         state.max_load_tokens = options.max_load_tokens
-        if options.problem is not None:
-            self._log.warning(
-                "options",
-                "vineyard cache: a request's kv_transfer_params has %s: it is "
-                "served without the cache",
-                options.problem,
-            )
         if self._lookup is None or not options.use_cache:
             state.save_from = NEVER
             if self._lookup is not None:
@@ -327,16 +229,14 @@ class VineyardConnectorScheduler:
         state = self._state_of(request)
         if state.save_from == NEVER or self._lookup is None:
             return
-        if state.keys is None:
-            wait_left, self._identity_wait_left = self._identity_wait_left, 0.0
-            known = self._identify(state)
-            self._identity_wait_left = wait_left
-            if not known or state.save_from == NEVER:
-                return
+        if state.keys is None and not self._identify(state, wait=False):
+            return
+        if state.save_from == NEVER:
+            return
         digests = state.digests_up_to(request.num_tokens, self.block_size)
         self._lookup.start(request.request_id, digests, request.num_tokens)
 
-    def _identify(self, state: _RequestState) -> bool:
+    def _identify(self, state: RequestState, wait: bool = True) -> bool:
         """Name the request's blocks: whether its keys are known now (or it
         is served without the cache: its adapter cannot be identified, or
         not within the lookup timeout)."""
@@ -344,13 +244,12 @@ class VineyardConnectorScheduler:
         if lora is not None:
             if self._adapters is None:
                 self._adapters = AdapterIdentities()
-            started = time.monotonic()
             answer = self._adapters.identity(
-                lora, state.request.request_id, self._identity_wait_left
+                lora, state.request.request_id, self._identity_wait_left * wait
             )
-            self._identity_wait_left -= time.monotonic() - started
             if isinstance(answer, Pending):
-                if started - state.asked_at < self.config.lookup_timeout_s:
+                self._identity_wait_left = 0.0  # the others wait next step
+                if time.monotonic() - state.asked_at < self.config.lookup_timeout_s:
                     return False
                 answer = None
             if answer is None:
@@ -430,7 +329,7 @@ class VineyardConnectorScheduler:
                     rank,
                 )
 
-    def _announce(self, state: _RequestState) -> None:
+    def _announce(self, state: RequestState) -> None:
         """A KV event for the request's blocks newly known to be saved."""
         end = state.saved // self.block_size
         if self._events is None or end <= state.announced:
@@ -452,7 +351,10 @@ class VineyardConnectorScheduler:
         self._identity_wait_left = STEP_WAIT_S
         self._costs.step_scheduled(scheduler_output.total_num_scheduled_tokens)
         self._lookup.begin_step()
-        self._log_removals()
+        if self._removals is not None:
+            self._removals.log_finished()
+        if self._remembered is not None:
+            self._remembered.maybe_save()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
         meta.requests.extend(self._load_deltas())
         return meta
@@ -485,7 +387,7 @@ class VineyardConnectorScheduler:
             blocks, replace = new_blocks.get(req_id, ([], False))
             replace = replace or state.blocks_replaced
             if self._windowed:
-                state.held_from = self._held_from(
+                state.held_from = freed_blocks(
                     scheduler_output, req_id, 0 if replace else state.held_from
                 )
             needed = num_computed // self.chunk_size * self.chunk_size
@@ -528,11 +430,7 @@ class VineyardConnectorScheduler:
                     save_from=state.save_from,
                     held_from=state.held_from,
                     load=state.load,
-                    compute_s_per_token=(
-                        self._costs.compute_s_per_token
-                        if self.config.load_policy == "auto"
-                        else None
-                    ),
+                    compute_s_per_token=self._costs.stop_price,
                 )
             )
             state.loading, state.load = state.load, None
@@ -550,33 +448,15 @@ class VineyardConnectorScheduler:
             state.timeline = None
         self._forwarding.clear()
 
-    @staticmethod
-    def _held_from(scheduler_output: SchedulerOutput, req_id: str, known: int) -> int:
-        """How many leading blocks of the request vLLM has freed now (a
-        sliding window moved past them; they may hold another request's KV
-        from this step on): its saves never gather them. Without vLLM's
-        block table, every block counts as freed (nothing is saved)."""
-        state = scheduler_output.kv_connector_block_state
-        table = state.get_block_ids(req_id) if state is not None else None
-        if table is None:
-            return NEVER
-        return leading_freed_blocks(table[0], known)
-
     def reset_cache(self) -> bool:
-        """Reset the cache: nothing computed before now is loaded by this
-        instance again, and the chunks of its namespaces are removed from
-        the root.
-
-        The fence is immediate: a new epoch names every block from now on,
-        so chunks written before (with old weights, or by writes still
-        queued or in flight, which the workers drop or remove once they
-        learn of the reset) are never looked up again; running requests
-        save again from their first chunk. The removal (of the namespaces
-        its TP ranks use, shared with other instances that serve the same
-        model with the same settings) runs on a lookup thread: the engine
-        waits for it at most :data:`RESET_WAIT_S`, then it goes on in the
-        background and its result is logged. Always succeeds: the fence
-        holds whatever the removal does."""
+        """Reset the cache. The fence is immediate: a new epoch names every
+        block from now on, so chunks written before (with old weights, or by
+        writes still queued or in flight, which the workers drop or remove
+        once they learn of it) are never looked up again; running requests
+        save again from their first chunk. The chunks of the namespaces of
+        its TP ranks (shared with instances that serve the same model alike)
+        are removed in the background (:mod:`.removals`). Always succeeds:
+        the fence holds whatever the removal does."""
         if self._lookup is None:
             return True  # the cache is off: nothing of ours is there
         self._epoch = os.urandom(8).hex()
@@ -592,34 +472,9 @@ class VineyardConnectorScheduler:
                         state.request, self.block_size, state.adapter, self._epoch
                     )
                 )
-        removal = self._lookup.remove_namespaces(
-            self.config.root, sorted(set(self._namespaces))
-        )
-        self._removals.append(removal)
-        removal.done.wait(RESET_WAIT_S)
-        self._log_removals()
+        assert self._removals is not None
+        self._removals.start(self.config.root, self._namespaces)
         return True
-
-    def _log_removals(self) -> None:
-        """Log the removals of resets that finished (and count failures)."""
-        while self._removals and self._removals[0].done.is_set():
-            removal = self._removals.popleft()
-            where = ", ".join(removal.namespaces)
-            if removal.error is not None:
-                self.metrics.add("reset_failures")
-                logger.warning(
-                    "vineyard cache reset of %s did not finish (%s): chunks may "
-                    "be left on the root (never loaded by this instance)",
-                    where,
-                    removal.error,
-                )
-            else:
-                logger.info(
-                    "vineyard cache reset: %d chunk file(s) removed from %s%s",
-                    len(removal.removed),
-                    where,
-                    f"; {removal.left} could not be removed" if removal.left else "",
-                )
 
     def request_finished(self, request: Request) -> None:
         self._forward_passes_ended()
@@ -635,6 +490,8 @@ class VineyardConnectorScheduler:
             self._adapters.forget(request.lora_request, request.request_id)
 
     def shutdown(self) -> None:
+        if self._remembered is not None:
+            self._remembered.save()
         if self._lookup is not None:
             self._lookup.close()
         if self._adapters is not None:

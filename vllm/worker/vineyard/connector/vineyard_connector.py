@@ -36,10 +36,8 @@ from vllm.worker.vineyard.connector.stats import (
     VineyardConnectorStats,
     VineyardPromMetrics,
 )
-from vllm.worker.vineyard.connector.weight_identity import model_identity
-from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker
-from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
-from vllm.worker.vineyard.storage.layout import KVCacheLayout, overrides_text
+from vllm.worker.vineyard.connector.worker import VineyardConnectorWorker, layout_for
+from vllm.worker.vineyard.storage.digests import key_id, load_auth_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -120,7 +118,7 @@ class VineyardConnector(KVConnectorBase_V1):
         else:
             self._worker = VineyardConnectorWorker(
                 self.config,
-                self._layout,
+                layout_for(vllm_config, self._group, self.chunk_size, self._key_id),
                 vllm_config.scheduler_config.max_num_batched_tokens,
                 kv_cache_config.num_blocks,
             )
@@ -153,36 +151,6 @@ class VineyardConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is just a future cache miss
-
-    def _layout(
-        self, dtype: torch.dtype, kv_layout: str, tp_size: int, tp_rank: int
-    ) -> KVCacheLayout:
-        assert self._group is not None
-        model_config = self._vllm_config.model_config
-        model = model_config.model
-        if model_config.revision:
-            model = f"{model}@{model_config.revision}"
-        if model_config.quantization:
-            model = f"{model}:{model_config.quantization}"
-        return KVCacheLayout(
-            model=model,
-            dtype=str(dtype).removeprefix("torch."),
-            num_layers=len(self._group.layer_names),
-            num_kv_heads=model_config.get_num_kv_heads(
-                self._vllm_config.parallel_config
-            ),
-            head_size=model_config.get_head_size(),
-            block_size=self.block_size,
-            block_bytes=self._group.kv_cache_spec.page_size_bytes,
-            kv_layout=kv_layout,
-            chunk_size=self.chunk_size,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            key_id=self._key_id,
-            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
-            weights=model_identity(self._vllm_config),
-            hf_overrides=overrides_text(model_config.hf_overrides),
-        )
 
     def _meta(self) -> VineyardConnectorMetadata:
         meta = self._get_connector_metadata()

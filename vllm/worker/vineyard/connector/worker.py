@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.parallel_state import get_tp_group
@@ -32,13 +32,22 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard.connector.weight_identity import model_identity
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.storage.layout import KVCacheLayout, overrides_text
 from vllm.worker.vineyard.storage.weights import WeightsUnidentified
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
 logger = init_logger(__name__)
+
+#: A worker's layout from its KV tensor's dtype and kernel layout and its
+#: TP size and rank.
+LayoutOf = Callable[[torch.dtype, str, int, int], KVCacheLayout]
 
 
 @dataclass
@@ -46,6 +55,47 @@ class _WorkerRequest:
     digests: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     held_from: int = 0  # blocks before it vLLM has freed (sliding window)
+
+
+def layout_for(
+    vllm_config: VllmConfig,
+    group: KVCacheGroupSpec | None,
+    chunk_size: int,
+    key_id: str,
+) -> LayoutOf:
+    """How this engine's workers name the layout of their KV (and so its
+    namespace), once they know the tensor's dtype and kernel layout and
+    their TP rank. Raises :class:`WeightsUnidentified`."""
+
+    def layout(
+        dtype: torch.dtype, kv_layout: str, tp_size: int, tp_rank: int
+    ) -> KVCacheLayout:
+        assert group is not None
+        model_config = vllm_config.model_config
+        model = model_config.model
+        if model_config.revision:
+            model = f"{model}@{model_config.revision}"
+        if model_config.quantization:
+            model = f"{model}:{model_config.quantization}"
+        return KVCacheLayout(
+            model=model,
+            dtype=str(dtype).removeprefix("torch."),
+            num_layers=len(group.layer_names),
+            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            head_size=model_config.get_head_size(),
+            block_size=group.kv_cache_spec.block_size,
+            block_bytes=group.kv_cache_spec.page_size_bytes,
+            kv_layout=kv_layout,
+            chunk_size=chunk_size,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            key_id=key_id,
+            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            weights=model_identity(vllm_config),
+            hf_overrides=overrides_text(model_config.hf_overrides),
+        )
+
+    return layout
 
 
 def kv_layout_name(kv: torch.Tensor) -> str:
@@ -62,7 +112,7 @@ class VineyardConnectorWorker:
     def __init__(
         self,
         config: VineyardLLMCacheConfig,
-        layout_of: Callable[[torch.dtype, str, int, int], KVCacheLayout],
+        layout_of: LayoutOf,
         max_num_batched_tokens: int,
         num_blocks: int,
     ) -> None:
@@ -162,7 +212,7 @@ class VineyardConnectorWorker:
             # A request waiting for its load has nothing new computed.
             if not self.cache.loads.loading(delta.req_id)
         ]
-        self.cache.save(saves)
+        self.cache.saves.save(saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose loads finished (loaded, short or cancelled)
@@ -183,7 +233,7 @@ class VineyardConnectorWorker:
         for req_id in finished_req_ids:
             self._requests.pop(req_id, None)
             if self.cache is not None:
-                self.cache.release(req_id)
+                self.cache.saves.release(req_id)
         return finished_loading
 
     def build_report(self) -> VineyardWorkerReport | None:
@@ -194,7 +244,7 @@ class VineyardConnectorWorker:
             return None
         rank = self.cache.layout.tp_rank
         report = VineyardWorkerReport(resets=self._resets)
-        stored = self.cache.take_stored()
+        stored = self.cache.saves.take_stored()
         if stored:
             report.stored[rank] = stored
         can_load = self.cache.can_load()

@@ -7,7 +7,7 @@ high- and low-water marks of a budget.
 A chunk's mtime is its last use (vineyard sets it when the chunk is written
 and a verified hit sets it again). Every ``now`` here is a pass's start by
 the clock it judges ages by: the clock that stamps the root's mtimes (see
-:mod:`~vllm.worker.vineyard.storage.sweeper`). A last use further in the
+:mod:`~vllm.worker.vineyard.storage.sweep_passes`). A last use further in the
 future than clocks differ (:data:`CLOCK_SKEW_S`) counts as the oldest, so
 a planted mtime cannot keep a chunk from eviction or expiry. On the past
 side (a writer whose clock stamped it, and is behind),

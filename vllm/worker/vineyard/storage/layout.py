@@ -13,11 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from vllm.worker.vineyard.storage.chunks import (
-    FORMAT_VERSION,
-    TRAILER_BYTES,
-    ChunkFiles,
-)
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import FORMAT_VERSION
+from vllm.worker.vineyard.storage.sealing import TRAILER_BYTES
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,11 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm.worker.vineyard.storage.chunks import FORMAT_VERSION, TRAILER_BYTES
+from vllm.worker.vineyard.storage.digests import FORMAT_VERSION
+from vllm.worker.vineyard.storage.file_modes import OWNER_ONLY, FileModes
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.safe_io import read_json, write_json
+from vllm.worker.vineyard.storage.sealing import TRAILER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ def _manifest_doc(layout: KVCacheLayout) -> dict[str, Any]:
 
 
 def write_manifest(
-    namespace_dir: str, layout: KVCacheLayout, group_access: bool = False
+    namespace_dir: str, layout: KVCacheLayout, modes: FileModes = OWNER_ONLY
 ) -> bool:
     """Write ``namespace_dir/layout.json`` for ``layout``, atomically (a
     temporary file renamed into place); a manifest that already says the
@@ -137,7 +139,7 @@ def write_manifest(
             return True
         os.makedirs(namespace_dir, exist_ok=True)
         doc["created_at"] = time.time()
-        write_json(namespace_dir, MANIFEST, doc, group_access)
+        write_json(namespace_dir, MANIFEST, doc, modes)
     except OSError as e:
         logger.warning(
             "vineyard cache: cannot write the manifest %s (%s); the cache "

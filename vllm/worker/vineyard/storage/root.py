@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 import stat
 
+from vllm.worker.vineyard.storage.file_modes import FileModes
 
-def check_root(root: str, group_access: bool, setting: str) -> str:
-    """Resolve a cache root once, create it if missing (private, or group
-    accessible with ``group_access``), and refuse one that others could
-    turn against this process: the root must be this user's and not
-    writable by others (nor by its group without ``group_access``), and
+
+def check_root(root: str, modes: FileModes, setting: str) -> str:
+    """Resolve a cache root once, create it if missing (with
+    ``modes.dir_mode``), and refuse one that others could turn against this
+    process: the root must be this user's and not writable by others (nor
+    by its group unless ``modes`` share it with the group), and
     every folder above it must be this user's or root's and not writable
     by others unless sticky (as ``/tmp`` is), so nobody else can swap the
     root for their own. Returns the resolved path; raises ``ValueError``
@@ -29,7 +31,7 @@ def check_root(root: str, group_access: bool, setting: str) -> str:
     resolved = os.path.realpath(root)
     # OSError (cannot create, e.g. a read-only filesystem) goes to the
     # caller: that is backend trouble, not a setting to refuse.
-    os.makedirs(resolved, mode=0o770 if group_access else 0o700, exist_ok=True)
+    os.makedirs(resolved, mode=modes.dir_mode, exist_ok=True)
     st = os.stat(resolved)
     me = os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
@@ -39,7 +41,7 @@ def check_root(root: str, group_access: bool, setting: str) -> str:
             f"{setting}={root}: {resolved} belongs to uid {st.st_uid}, not to "
             f"this user (uid {me}); use a root of your own"
         )
-    writable_by = stat.S_IWOTH | (0 if group_access else stat.S_IWGRP)
+    writable_by = modes.not_writable_by
     if st.st_mode & writable_by:
         who = "others" if st.st_mode & stat.S_IWOTH else "its group"
         raise ValueError(

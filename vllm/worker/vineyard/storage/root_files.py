@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from vllm.worker.vineyard.config import MAX_TTL_S
+from vllm.worker.vineyard.storage.file_modes import OWNER_ONLY, FileModes
 from vllm.worker.vineyard.storage.safe_io import (
     NO_LINK_NO_BLOCK,
     NotRegularFileError,
@@ -206,19 +207,20 @@ def record_root_settings(
     root: str,
     settings: RootSettings,
     replace: bool = False,
-    group_access: bool = False,
+    modes: FileModes = OWNER_ONLY,
 ) -> RootSettings:
     """Record ``settings`` as the root's and return what is recorded now.
     Unless ``replace``, settings recorded before stay (the first recorder
     wins). Written to a temporary file and linked (or renamed) into place,
-    so no reader sees half a file. Raises ``OSError`` when it cannot."""
+    so no reader sees half a file, with ``modes.file_mode``. Raises
+    ``OSError`` when it cannot."""
     doc = {
         "disk_limit_bytes": settings.disk_limit_bytes,
         "ttl_s": settings.ttl_s,
         "recorded_at": time.time(),
         "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
     }
-    write_json(root, ROOT_SETTINGS, doc, group_access, replace)
+    write_json(root, ROOT_SETTINGS, doc, modes, replace)
     if replace:
         return settings
     return read_root_settings(root) or settings

@@ -16,6 +16,8 @@ import stat
 import tempfile
 from typing import Any
 
+from vllm.worker.vineyard.storage.file_modes import FileModes
+
 #: How every file is opened: never following a link, never blocking (a
 #: FIFO planted at a chunk path must not hang a reader).
 NO_LINK_NO_BLOCK = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -62,21 +64,21 @@ def write_json(
     directory: str,
     name: str,
     doc: dict[str, Any],
-    group_access: bool,
+    modes: FileModes,
     replace: bool = True,
 ) -> None:
     """Write ``doc`` as the file ``name`` in ``directory`` so that no reader
     sees half of it: to a temporary file (``name.XXXX.tmp``, synced), then
     renamed into place, or with ``replace=False`` linked into place unless
     a file is there already (which then stays). As private as the chunk
-    files (see the backend's umask): the owner's, and its group's with
-    ``group_access``. Raises ``OSError`` when it cannot."""
+    files (the backend's umask): ``modes.file_mode``. Raises ``OSError``
+    when it cannot."""
     path = os.path.join(directory, name)
     fd, temp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
     renamed = False
     try:
         with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o660 if group_access else 0o600)
+            os.fchmod(f.fileno(), modes.file_mode)
             json.dump(doc, f, indent=2)
             f.write("\n")
             f.flush()

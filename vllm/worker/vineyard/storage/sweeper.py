@@ -1,65 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Keeps a cache root healthy for months: a background sweep that bounds
-its size, expires chunks by last use and removes what dead writers left.
+"""Keeps a cache root healthy for months (:class:`RootSweeper`): a
+background sweep that bounds its size, expires chunks by last use and
+removes what dead writers left, while the writers hold the disk limit
+between sweeps.
 
-Each writer backend runs one sweeper over the whole root (every namespace,
-every instance's chunks). A chunk's mtime is its last use: vineyard sets it
-when the chunk is written and a verified hit sets it again. Mtimes are
-stamped by the clock of the root's filesystem (on NFS, the server's), so a
-pass judges ages by that clock too, read from a probe file it touches
-(:func:`~vllm.worker.vineyard.storage.root_files.root_clock`): a host whose
-own clock is off does not expire fresh chunks. Where the probe cannot be
-touched (a read-only root), a pass takes this host's clock, corrected by the
-offset measured last. Each sweep:
-
-- expires chunks unused for longer than the TTL (if one is set);
-- evicts the least recently used chunks when the root is over its budget
-  (high-water mark) down to a low-water mark. The budget is the disk limit,
-  or less when the filesystem runs low: a full disk makes room for itself.
-  The marks leave room for at least one (high) and two (low) of the
-  largest chunks, however small the filesystem;
-- removes temporary files older than :data:`TEMP_MAX_AGE_S` (a write takes
-  seconds; older ones belong to a writer that died) and empty directories
-  (vineyard leaves one per write under ``__temp``).
-
-It touches only the cache's own entries, as
-:mod:`~vllm.worker.vineyard.storage.scan` tells them: chunk files,
-vineyard's temporary files and placeholders and the directories of
-namespaces. Namespace manifests are never removed; files outside
-namespaces or of another shape, links and mount points are left alone
-(logged once, not counted in the cache's size).
-
-Between sweeps the writers hold the disk limit themselves
-(:meth:`RootSweeper.make_room`), by the usage they share in the root's
-ledger (:mod:`~vllm.worker.vineyard.storage.usage`): a write stores only the
-chunks that fit and asks this thread for a pass that makes room for the
-rest (skipped, counted); it never runs a pass itself. The free-space part
-of the budget is measured by the passes only: a write the filesystem
-refused (:meth:`RootSweeper.write_failed`) asks for a pass that makes room
-for it, as the filesystem may be full below the high-water mark.
-
-One pass per root at a time: a pass holds ``flock`` on the root's
-:data:`~vllm.worker.vineyard.storage.root_files.SWEEP_LOCK` (so that N
-instances of M ranks do not all walk the root every interval). A periodic
-sweep that finds it held is skipped; a pass a writer asked for waits for it
-up to :data:`LOCK_WAIT_S`, then runs regardless. Where there is no
-lock to be had (a file planted at its path, a filesystem without locks)
-passes go unlocked: several at once only race to delete the same files (the
-same LRU order), which is harmless. Both files are opened without following
-links.
-
-The disk limit and TTL are the root's own
-(:class:`~vllm.worker.vineyard.storage.root_files.RootSettings`): the first
-process that sweeps a root records its own settings there, and every pass
-of every process reads them, so one instance with a small limit or TTL
-cannot shrink everyone's cache (a process whose own settings differ says so
-once). Where they cannot be read, a process sweeps with its own. Which
-chunks go, and in what order: :mod:`~vllm.worker.vineyard.storage.eviction`.
-
-Evicting chunk ``k`` of a prefix makes its later
-chunks unreachable (lookups stop at the first missing chunk) until they are
-evicted in turn; nothing unverified is ever loaded either way.
+- Each writer backend runs one sweeper over the whole root (every
+  namespace, every instance's chunks), on a thread of its own: what a pass
+  does is :mod:`~vllm.worker.vineyard.storage.sweep_passes`.
+- One pass per root at a time
+  (:mod:`~vllm.worker.vineyard.storage.sweep_lock`): a periodic sweep that
+  finds the lock held is skipped; a pass a writer asked for waits for it,
+  then runs regardless.
+- A write stores only the chunks that fit under the disk limit, by the
+  usage the writers share in the root's ledger
+  (:mod:`~vllm.worker.vineyard.storage.usage`), and asks this thread for a
+  pass that makes room for the rest: a write never runs or waits for a
+  pass, which on a large root or with the lock held elsewhere would hold up
+  every write.
 
 Imports neither vLLM nor torch (it runs in the backend process).
 """
@@ -68,51 +26,25 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from vllm.worker.vineyard.storage.eviction import (
-    HIGH_WATER,
-    ObservedLastUse,
-    distrust_future,
-    evict_lru,
-    eviction_target,
-    expire,
-)
-from vllm.worker.vineyard.storage.removal import remove_dir, remove_file
-from vllm.worker.vineyard.storage.root_files import (
-    CLOCK_PROBE,
-    SWEEP_LOCK,
-    RootSettings,
-    flock_within,
-    open_root_file,
-    read_root_settings,
-    record_root_settings,
-    root_clock,
-)
+from vllm.worker.vineyard.storage.eviction import HIGH_WATER
+from vllm.worker.vineyard.storage.file_modes import OWNER_ONLY, FileModes
+from vllm.worker.vineyard.storage.removal import remove_file
+from vllm.worker.vineyard.storage.root_files import RootSettings
 from vllm.worker.vineyard.storage.safe_io import release
-from vllm.worker.vineyard.storage.scan import ChunkFile, RootScan, scan_root
+from vllm.worker.vineyard.storage.scan import ChunkFile
+from vllm.worker.vineyard.storage.sweep_lock import LOCK_WAIT_S, SweepLock
+from vllm.worker.vineyard.storage.sweep_passes import SweepPasses
 from vllm.worker.vineyard.storage.usage import SharedUsage
 
 logger = logging.getLogger(__name__)
 
-TEMP_MAX_AGE_S = 600.0
 #: Removed chunk paths kept for the next report (KV events), at most.
 MAX_REMOVED_REPORTED = 10_000
-#: A writer may be about to fill a new folder. Where clients stamp mtimes
-#: (not the root's server), this age also bounds the clock skew between
-#: hosts that this removal tolerates (like TEMP_MAX_AGE_S).
-EMPTY_DIR_MIN_AGE_S = 600.0
-#: Most entries that are not the cache's remembered as logged (each is
-#: logged once; past this many, no more are).
-MAX_REPORTED = 10_000
-#: Longest a pass a writer asked for waits for another process's pass before
-#: it runs unlocked.
-LOCK_WAIT_S = 5.0
-_LOCK_POLL_S = 0.05
 #: A process that found the lock held at every sweep for this many
 #: intervals (a lock held that long) waits for it, then sweeps regardless.
 MAX_SKIPPED_INTERVALS = 10
@@ -125,7 +57,11 @@ DISK_BLOCK = 4096
 
 
 class RootSweeper:
-    """Background upkeep of a cache root (see the module docstring)."""
+    """Background upkeep of a cache root (see the module docstring).
+    ``limit_bytes`` and ``ttl_s`` are this process's own settings, which
+    the root's recorded ones override (see
+    :class:`~vllm.worker.vineyard.storage.sweep_passes.SweepPasses`);
+    ``modes``: those of the settings file it records where there is none."""
 
     def __init__(
         self,
@@ -133,20 +69,14 @@ class RootSweeper:
         limit_bytes: int,
         ttl_s: float,
         interval_s: float,
-        group_access: bool = False,
+        modes: FileModes = OWNER_ONLY,
         root_lost: Callable[[], str | None] | None = None,
     ) -> None:
         self.root = root
         # Why the root is not to be touched now (a lost mount), or None.
         self._root_lost = root_lost
         self._lost_logged = False
-        # This process's own settings; the root's recorded ones govern (see
-        # the module docstring), read at every pass.
-        self.own_settings = RootSettings(limit_bytes, ttl_s)
-        self.settings = self.own_settings  # the ones that govern now
         self.interval_s = interval_s
-        self.group_access = group_access
-        self._settings_noted: RootSettings | str | None = None
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("evicted_chunks", "expired_chunks", "orphans_removed"), 0
@@ -155,16 +85,15 @@ class RootSweeper:
         self.root_chunks = 0
         # Chunk files removed since the last take_stats (for KV events).
         self._removed: list[str] = []
-        self._reported: set[str] = set()  # entries not the cache's, logged
-        # One pass at a time in this process (the thread's, the writer's).
+        self._passes = SweepPasses(
+            root, RootSettings(limit_bytes, ttl_s), modes, self._count, self._remove
+        )
+        # One pass at a time in this process (the thread's, the writer's),
+        # and in the root (the root's lock).
         self._pass_lock = threading.Lock()
+        self._root_lock = SweepLock(root)
         self._last_pass = time.monotonic()
-        self._lock_warned = False
-        # The root's clock minus this host's, as last measured.
-        self._clock_offset = 0.0
-        self._clock_warned = False
         self._usage = SharedUsage(root)
-        self._last_use = ObservedLastUse()
         self.passes = 0
         self.skipped_sweeps = 0  # another process held the root's lock
         self.requested_passes = 0  # passes make_room asked for
@@ -176,6 +105,11 @@ class RootSweeper:
         self._thread = threading.Thread(
             target=self._run, name="vineyard-cache-sweeper", daemon=True
         )
+
+    @property
+    def settings(self) -> RootSettings:
+        """The settings that govern now (the root's, as last read)."""
+        return self._passes.settings
 
     @property
     def limit_bytes(self) -> int:
@@ -220,7 +154,7 @@ class RootSweeper:
                 if self._swept_elsewhere():
                     # No pass here (a pass reads them): the root's settings
                     # still for the writer's reservations.
-                    self._follow_root_settings()
+                    self._passes.follow_root_settings()
                 else:
                     self.sweep()
             except Exception:  # noqa: BLE001 - upkeep must never kill serving
@@ -274,7 +208,7 @@ class RootSweeper:
             removed, self._removed = self._removed, []
             return removed
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: int) -> None:
         with self._lock:
             self._counts[name] += n
 
@@ -352,7 +286,7 @@ class RootSweeper:
         if self._lost():
             return False
         with self._pass_lock:
-            fd, _ = self._lock_root(LOCK_WAIT_S)
+            fd, _ = self._root_lock.take(LOCK_WAIT_S)
             try:
                 # Another pass (one waited for above) may have made room;
                 # a refused write's room is the filesystem's to tell.
@@ -379,7 +313,7 @@ class RootSweeper:
         return -(-size // DISK_BLOCK) * DISK_BLOCK
 
     def _locked_pass(self, now: float | None, need: int, wait_s: float) -> bool:
-        fd, go = self._lock_root(wait_s)
+        fd, go = self._root_lock.take(wait_s)
         if not go:
             with self._lock:
                 self.skipped_sweeps += 1
@@ -392,90 +326,18 @@ class RootSweeper:
                 release(fd)
         return True
 
-    def _lock_root(self, wait_s: float) -> tuple[int | None, bool]:
-        """Take the root's lock: ``(fd, True)`` when held (closing ``fd``
-        releases it); ``(None, False)`` when another process holds it, or,
-        after waiting ``wait_s`` for it, ``(None, True)``: the caller needs
-        its pass. Where no lock can be had, ``(None, True)``: the pass goes
-        unlocked (see the module docstring)."""
-        try:
-            fd = open_root_file(self.root, SWEEP_LOCK)
-        except OSError as e:
-            self._warn_unlocked(f"cannot open it ({e})")
-            return None, True
-        try:
-            if flock_within(fd, wait_s, _LOCK_POLL_S):
-                return fd, True
-        except OSError as e:  # a filesystem without locks
-            release(fd)
-            self._warn_unlocked(f"cannot lock it ({e})")
-            return None, True
-        release(fd)
-        if wait_s > 0:
-            self._warn_unlocked(f"held by another for over {wait_s} s")
-        return None, wait_s > 0
-
-    def _warn_unlocked(self, why: str) -> None:
-        if not self._lock_warned:
-            self._lock_warned = True
-            logger.warning(
-                "vineyard cache sweep of %s runs without its lock %s: %s "
-                "(processes may then sweep the root at once: harmless, only "
-                "more work); logged once",
-                self.root,
-                SWEEP_LOCK,
-                why,
-            )
-
     def _pass(self, now: float | None, need: int) -> None:
-        """``stat`` every entry once, then delete; over the high-water mark
-        (``need`` bytes about to be written counted in), evict."""
-        root_now = self._root_now()  # every pass: the offset stays measured
-        now = root_now if now is None else now
-        self._follow_root_settings()
+        """One pass (``need``: bytes about to be written, counted in), and
+        what it measured in the root's ledger."""
+        now = self._passes.start(now)
         with self._usage.hold() as usage:
             pending = usage.pending  # reserved before the scan: it counts them
-        scan = scan_root(self.root)
-        self._report(scan)
-        self._remove_leftovers(scan, now)
-        self._last_use.correct(scan.chunks, now)
-        distrust_future(scan.chunks, now)
-        chunks, expired = expire(scan.chunks, now, self.ttl_s, self._remove)
-        self._count("expired_chunks", expired)
-        total = sum(chunk.disk_bytes for chunk in chunks)
-        target = eviction_target(chunks, total, self.budget(total), need)
-        if target is not None:
-            done, evicted, total = evict_lru(chunks, total, target, self._remove)
-            self._count("evicted_chunks", evicted)
-            chunks = chunks[done:]
+        total, num_chunks = self._passes.clean(now, need)
         with self._lock:
-            self.root_bytes, self.root_chunks = total, len(chunks)
-        self._record_usage(total, len(chunks), pending)
+            self.root_bytes, self.root_chunks = total, num_chunks
+        self._record_usage(total, num_chunks, pending)
         self.passes += 1
         self._last_pass = time.monotonic()
-
-    def _root_now(self) -> float:
-        """Now by the clock that stamps the root's mtimes; where it cannot
-        be read, this host's clock corrected by the offset measured last
-        (warned once)."""
-        try:
-            now = root_clock(self.root)
-        except OSError as e:
-            if not self._clock_warned:
-                self._clock_warned = True
-                logger.warning(
-                    "vineyard cache sweeps of %s judge ages by this host's "
-                    "clock (%+.1f s: the offset to the root's clock last "
-                    "measured), as they cannot touch %s to read the root's "
-                    "(%s); logged once",
-                    self.root,
-                    self._clock_offset,
-                    CLOCK_PROBE,
-                    e,
-                )
-            return time.time() + self._clock_offset
-        self._clock_offset = now - time.time()
-        return now
 
     def _record_usage(self, total: int, num_chunks: int, pending: int) -> None:
         """What this pass measured, in the root's usage (``pending``: what
@@ -489,101 +351,3 @@ class RootSweeper:
             usage.epoch += 1
             usage.stamp = time.time()
             self._usage.unchanged_s(usage)  # seen now
-
-    def _follow_root_settings(self) -> None:
-        """Take the root's settings for this pass, recording this process's
-        own where the root has none yet."""
-        own = self.own_settings
-        try:
-            settings = read_root_settings(self.root)
-            if settings is None:
-                settings = record_root_settings(
-                    self.root, own, group_access=self.group_access
-                )
-        except (OSError, ValueError) as e:
-            if self._settings_noted != "own":
-                self._settings_noted = "own"
-                logger.warning(
-                    "vineyard cache root %s: cannot use its settings (%s); this "
-                    "process sweeps with its own (%s) meanwhile; "
-                    "`vineyard-llm-cache settings` records them anew",
-                    self.root,
-                    e,
-                    own.describe(),
-                )
-            settings = own
-        else:
-            if settings != own and settings != self._settings_noted:
-                logger.warning(
-                    "vineyard cache root %s has settings of its own (%s), which "
-                    "govern every process's upkeep of it; this process's (%s, "
-                    "VINEYARD_CACHE_DISK_LIMIT_GB and VINEYARD_CACHE_TTL_S) are "
-                    "not used. Change the root's with `vineyard-llm-cache "
-                    "settings %s --disk-limit SIZE --ttl-s S`",
-                    self.root,
-                    settings.describe(),
-                    own.describe(),
-                    self.root,
-                )
-            self._settings_noted = settings
-        self.settings = settings
-
-    def _remove_leftovers(self, scan: RootScan, now: float) -> None:
-        """Old temporary files and placeholders (their writer died), then
-        old empty directories, children first: a whole empty tree
-        (vineyard leaves one per write) goes in one pass."""
-        # Entries left per directory that may become empty.
-        left = {d.path: d.entries for d in scan.dirs}
-
-        def removed(path: str) -> None:
-            self._count("orphans_removed")
-            parent = os.path.dirname(path)
-            if parent in left:
-                left[parent] -= 1
-
-        for item in scan.leftovers:
-            if now - item.mtime > TEMP_MAX_AGE_S and remove_file(
-                self.root, item.path, item.ino
-            ):
-                removed(item.path)
-        for d in scan.dirs:
-            # Its age before this pass: a writer may be about to fill it.
-            if (
-                left[d.path] == 0
-                and now - d.mtime > EMPTY_DIR_MIN_AGE_S
-                and remove_dir(self.root, d.path)
-            ):
-                removed(d.path)
-
-    def _report(self, scan: RootScan) -> None:
-        """Log, once each, what the sweep leaves alone."""
-        new = [f for f in scan.foreign if f.path not in self._reported]
-        errors = [e for e in scan.errors if e[0] not in self._reported]
-        if len(self._reported) >= MAX_REPORTED or not (new or errors):
-            return
-        self._reported.update(f.path for f in new)
-        self._reported.update(path for path, _ in errors)
-        shown = [f"{f.path} ({f.reason})" for f in new[:5]]
-        shown += [f"{path} (unreadable: {why})" for path, why in errors[:5]]
-        more = len(new) + len(errors) - len(shown)
-        logger.warning(
-            "vineyard cache sweep of %s leaves alone %d entries that are not "
-            "the cache's own or cannot be read (never deleted, not counted "
-            "in its size): %s%s%s",
-            self.root,
-            len(new) + len(errors),
-            "; ".join(shown),
-            f"; and {more} more" if more > 0 else "",
-            "; `vineyard-llm-cache verify` checks files where chunks belong"
-            if any(f.at_chunk_path for f in new)
-            else "",
-        )
-
-    def budget(self, cache_bytes: int) -> float:
-        """The disk limit, or what the filesystem can hold now if that is
-        less (the cache's own bytes count as available to it)."""
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return float(self.limit_bytes)
-        return float(min(self.limit_bytes, cache_bytes + st.f_bavail * st.f_frsize))

@@ -12,7 +12,7 @@ import collections
 import threading
 from typing import Any, TypeVar
 
-from vllm.worker.vineyard.backend.client import BackendProcess, BackendRun
+from vllm.worker.vineyard.backend.client import BackendProcess
 from vllm.worker.vineyard.backend.protocol import (
     BackendSettings,
     BackendSpec,
@@ -22,6 +22,7 @@ from vllm.worker.vineyard.backend.protocol import (
     StatsReply,
     UpdateReply,
 )
+from vllm.worker.vineyard.backend.runs import BackendRun
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
@@ -104,7 +105,7 @@ def _spec(
 ) -> BackendSpec:
     return BackendSpec(
         settings=BackendSettings.from_config(config),
-        root=namespace,
+        namespace_dir=namespace,
         blocks_per_chunk=layout.blocks_per_chunk,
         entry_bytes=layout.entry_bytes,
         max_blocks=memory.max_blocks,

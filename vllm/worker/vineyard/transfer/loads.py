@@ -16,21 +16,26 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard.backend.client import BackendProcess, BackendRun
+from vllm.worker.vineyard.backend.client import BackendProcess
 from vllm.worker.vineyard.backend.protocol import (
     BackendError,
     QueryReply,
     QueryRequest,
 )
+from vllm.worker.vineyard.backend.runs import BackendRun
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.chunks import synthetic_ids
+from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.transfer.backends import BackendCalls
 from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
 from vllm.worker.vineyard.transfer.staging import ReadBuffers
 
 logger = init_logger(__name__)
+
+#: Longest a load waits for its first blocks, as a share of computing all
+#: of its blocks, before it stops (the rest is computed).
+FIRST_BLOCKS_WAIT = 0.1
 
 
 @dataclass
@@ -205,8 +210,10 @@ class LoadPipeline:
 
     def _stop_slow_loads(self) -> None:
         """Stop the loads that run slower than computing the rest: at the
-        pace of the blocks they have loaded, or (none yet) slower than
-        computing their first segment."""
+        pace of the blocks they have loaded, or, before their first blocks
+        arrive, once they have waited :data:`FIRST_BLOCKS_WAIT` of what
+        computing them all would take (so a link slower than computing
+        costs a request at most that much more)."""
         now, bs = time.perf_counter(), self._layout.block_size
         for job in list(self._jobs.values()):
             c = job.compute_s_per_token
@@ -217,7 +224,7 @@ class LoadPipeline:
             if done > 0:
                 slow = elapsed / done * left > c * left * bs
             else:
-                slow = elapsed > c * min(left, self._segment_blocks) * bs
+                slow = elapsed > FIRST_BLOCKS_WAIT * c * left * bs
             if slow:
                 job.stopped_slow = True
                 self._metrics.add("loads_stopped_slow")

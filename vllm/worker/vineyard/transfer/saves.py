@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What of each running request is saved, and what a save stages next.
+"""The saves of a cache: what of each running request is saved, what a
+save stages next, and the writer's side of each update
+(:class:`SavePipeline`).
 
 A request's chunks are saved in order from its resume point: a save stages
 the chunks completed since (as :class:`Segment`\\ s of an
@@ -16,13 +18,22 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from vllm.worker.vineyard.backend.protocol import WriteSegment
+from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.protocol import (
+    RemoveRequest,
+    StatsRequest,
+    UpdateRequest,
+    WriteSegment,
+)
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.chunks import synthetic_ids
+from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
+from vllm.worker.vineyard.transfer.backends import BackendCalls
+from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
 
 #: The resume point of a request whose saves ended (its blocks were freed).
 SAVES_ENDED = 1 << 62
@@ -221,3 +232,113 @@ class SaveLedger:
     def release(self, req_id: str) -> None:
         """Forget a request's resume point."""
         self._resume.pop(req_id, None)
+
+
+class StagingPool(Protocol):
+    """The cache's bounded pool of staging buffers (``_PinnedTensorPool``)."""
+
+    def get(self) -> int | None: ...
+
+    def buffer(self, buffer_id: int) -> torch.Tensor: ...
+
+
+class Updater(Protocol):
+    """The cache's ordered background writer (``_AsyncUpdater``)."""
+
+    def submit(self, task: UpdateTask) -> None: ...
+
+    def fence(self, generation: int) -> None: ...
+
+
+class SavePipeline:
+    """The saves of one cache (its ``saves``): what the forward thread
+    stages after each step (:meth:`save`), and the writer backend's side of
+    the updater's tasks (:meth:`write`, :meth:`remove`, :meth:`poll_stats`,
+    called on the updater's thread). The updater is attached once started
+    (:attr:`updater`)."""
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        metrics: VineyardCacheMetrics,
+        kv: KVBlockCopier,
+        pool: StagingPool,
+        max_blocks: int,
+        writer: BackendProcess,
+        calls: BackendCalls,
+        sync_timeout_s: float | None,
+    ):
+        self._layout = layout
+        self._metrics = metrics
+        self._kv = kv
+        self._pool = pool
+        self._max_blocks = max_blocks
+        self._writer = writer
+        self._calls = calls
+        self._sync_timeout_s = sync_timeout_s  # None: asynchronous updates
+        self.ledger = SaveLedger(layout, metrics)
+        self.updater: Updater | None = None
+        # The last staging copy (on a device, asynchronous): buffers are
+        # unpinned only after it.
+        self.last_copy: torch.cuda.Event | None = None
+
+    def save(self, requests: Sequence[SaveRequest]) -> bool:
+        """Stage the newly completed chunks of ``requests`` and submit them.
+
+        Never waits for the backend when updates are asynchronous. With no
+        free buffer the update is skipped (and counted); each request keeps
+        its resume point, so the skipped chunks are saved by a later call
+        while the request's blocks are alive. Returns whether a task was
+        submitted."""
+        if self.updater is None or self._writer.disabled_reason:
+            return False  # no backend: staging copies would be wasted
+        t0 = time.perf_counter()
+        pending = self.ledger.pending(requests)
+        if not pending:
+            return False
+        buffer_id = self._pool.get()
+        if buffer_id is None:
+            self._metrics.add("updates_skipped")
+            return False
+        segments, src_blocks = self.ledger.take_segments(pending, self._max_blocks)
+        staging = self._pool.buffer(buffer_id)[: len(src_blocks)]
+        copy_done = self.last_copy = self._kv.gather(src_blocks, staging)
+        # The updater waits for an asynchronous (CUDA) copy before writing.
+        task = UpdateTask(buffer_id, segments, self.ledger.generation, copy_done)
+        self.updater.submit(task)
+        self._metrics.observe("save_caller_s", time.perf_counter() - t0)
+        if self._sync_timeout_s is not None:
+            task.done.wait(self._sync_timeout_s)
+        return True
+
+    def take_stored(self) -> list[tuple[str, int, int]]:
+        """``(req_id, first token, end)`` of each run of blocks that writes
+        stored since the last call, in write order."""
+        return self.ledger.take_stored()
+
+    def release(self, req_id: str) -> None:
+        """Forget a request's resume point (its blocks are being freed)."""
+        self.ledger.release(req_id)
+
+    def fence(self) -> None:
+        """A reset: every request saves again from the scheduler's
+        ``save_from``; tasks staged before now are dropped, or what they
+        stored is removed, and never reported."""
+        self.ledger.forget_saved()
+        if self.updater is not None:
+            self.updater.fence(self.ledger.generation)
+
+    # ---- the writer's side (on the updater's thread) --------------------
+
+    def write(self, task: UpdateTask) -> UpdateResult:
+        segments = [s.request() for s in task.segments]
+        reply = self._calls.call(self._writer, UpdateRequest(task.buffer_id, segments))
+        return self.ledger.book(task, reply.stored)
+
+    def remove(self, task: UpdateTask) -> None:
+        chunks = task.stored_chunks(self._layout.blocks_per_chunk)
+        self._calls.call(self._writer, RemoveRequest(chunks))
+
+    def poll_stats(self) -> None:
+        if self._writer.disabled_reason is None:
+            self._calls.call(self._writer, StatsRequest())

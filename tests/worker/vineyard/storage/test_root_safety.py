@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.worker.vineyard_cache_testing import CacheFactory, make_tokens
-from vllm.worker.vineyard.storage.chunks import key_id, load_auth_key
+from vllm.worker.vineyard.storage.digests import key_id, load_auth_key
+from vllm.worker.vineyard.storage.file_modes import GROUP_SHARED, OWNER_ONLY, file_modes
 from vllm.worker.vineyard.storage.root import check_root
 
 SETTING = "VINEYARD_CACHE_ROOT"
@@ -35,11 +36,11 @@ def private_dir(path: Path, mode: int = 0o700) -> Path:
 def test_a_private_root_is_created_and_resolved(tmp_path: Path) -> None:
     base = private_dir(tmp_path / "base")
     root = base / "cache"
-    assert check_root(str(root), False, SETTING) == str(root)
+    assert check_root(str(root), OWNER_ONLY, SETTING) == str(root)
     assert root.is_dir() and root.stat().st_mode & 0o777 == 0o700
     link = base / "link"
     link.symlink_to(root)
-    assert check_root(str(link), False, SETTING) == str(root)
+    assert check_root(str(link), OWNER_ONLY, SETTING) == str(root)
 
 
 @pytest.mark.parametrize(
@@ -57,14 +58,14 @@ def test_a_root_writable_by_others_is_refused(
     root.mkdir()
     root.chmod(mode)
     with pytest.raises(ValueError, match=f"{SETTING}=.*{why}"):
-        check_root(str(root), group_access, SETTING)
+        check_root(str(root), file_modes(group_access), SETTING)
 
 
 def test_a_group_root_with_group_access_is_accepted(tmp_path: Path) -> None:
     root = private_dir(tmp_path / "base") / "cache"
     root.mkdir()
     root.chmod(0o770)
-    assert check_root(str(root), True, SETTING) == str(root)
+    assert check_root(str(root), GROUP_SHARED, SETTING) == str(root)
 
 
 def test_a_folder_above_writable_by_anyone_is_refused_unless_sticky(
@@ -72,9 +73,9 @@ def test_a_folder_above_writable_by_anyone_is_refused_unless_sticky(
 ) -> None:
     open_dir = private_dir(tmp_path / "open", 0o777)
     with pytest.raises(ValueError, match=f"{SETTING}=.*writable by others.*sticky"):
-        check_root(str(open_dir / "cache"), False, SETTING)
+        check_root(str(open_dir / "cache"), OWNER_ONLY, SETTING)
     open_dir.chmod(0o1777)  # as /tmp
-    assert check_root(str(open_dir / "cache"), False, SETTING)
+    assert check_root(str(open_dir / "cache"), OWNER_ONLY, SETTING)
 
 
 @as_root
@@ -84,7 +85,7 @@ def test_another_users_root_or_parent_is_refused(tmp_path: Path, whose: str) -> 
     root = private_dir(parent / "cache")
     os.chown(root if whose == "root" else parent, OTHER_UID, OTHER_UID)
     with pytest.raises(ValueError, match=f"{SETTING}=.*uid {OTHER_UID}"):
-        check_root(str(root), False, SETTING)
+        check_root(str(root), OWNER_ONLY, SETTING)
 
 
 def test_a_cache_on_an_unsafe_root_does_not_start(
@@ -104,7 +105,7 @@ def test_a_cache_through_a_symlinked_root_works(
     link = tmp_path / "link"
     link.symlink_to(real)
     h = make_cache(root=link)
-    assert h.cache.files.root.startswith(str(real) + os.sep)
+    assert h.cache.files.namespace_dir.startswith(str(real) + os.sep)
     tokens = make_tokens(3 * h.chunk_size + 1)
     h.save_tokens(tokens, 0)
     assert h.lookup(tokens)[0] == 3 * h.chunk_size

@@ -139,7 +139,9 @@ def test_a_write_error_on_every_write(small_fs: Path) -> None:
         h.reset_counters()
         remount(small_fs, "ro")
         try:
-            assert "not writable" in (_write_error_reason(h.files.root, 1) or "")
+            assert "not writable" in (
+                _write_error_reason(h.files.namespace_dir, 1) or ""
+            )
             for tokens in during:
                 h.write(tokens, max_saves=2)
             c = h.counters()

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import (
     CHUNK_SIZE,
     CacheFactory,
@@ -36,7 +37,7 @@ from vllm.worker.vineyard.cli import main
 from vllm.worker.vineyard.cli import settings as vineyard_cli
 from vllm.worker.vineyard.cli.arguments import parse_size
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
-from vllm.worker.vineyard.storage.chunks import FORMAT_VERSION
+from vllm.worker.vineyard.storage.digests import FORMAT_VERSION
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import (
     MANIFEST,
@@ -55,8 +56,8 @@ SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
 def with_manifest(h: CacheHarness) -> CacheHarness:
     """The cache's namespace with its manifest (written here if the cache
     did not write it itself)."""
-    if not os.path.exists(os.path.join(h.root, MANIFEST)):
-        assert write_manifest(h.root, h.layout)
+    if not os.path.exists(os.path.join(h.namespace_dir, MANIFEST)):
+        assert write_manifest(h.namespace_dir, h.layout)
     return h
 
 
@@ -182,7 +183,16 @@ def test_manifest_round_trip(small_cache: CacheHarness, tmp_path: Path) -> None:
     assert doc["format_version"] == FORMAT_VERSION
     assert doc["layout"]["model"] == "test-model"
     mtime = os.stat(ns / MANIFEST).st_mtime_ns
-    time.sleep(0.01)
+    # Until the filesystem's clock has moved past it, a rewrite would keep
+    # the mtime too.
+    probe = tmp_path / "probe"
+
+    def clock_moved() -> bool:
+        probe.touch()
+        return os.stat(probe).st_mtime_ns > mtime
+
+    assert wait_until(clock_moved, 10.0)
+    probe.unlink()
     assert write_manifest(str(ns), h.layout)
     assert os.stat(ns / MANIFEST).st_mtime_ns == mtime  # idempotent
     assert sorted(os.listdir(ns)) == [MANIFEST]  # no temp file left
@@ -243,11 +253,11 @@ def test_ls_names_the_namespace_and_counts_its_chunks(
     if manifest:
         with_manifest(h)
     else:
-        Path(h.root, MANIFEST).unlink(missing_ok=True)
+        Path(h.namespace_dir, MANIFEST).unlink(missing_ok=True)
     fill(h, 2)
     root = Path(h.config.root)
     plant_foreign(root)
-    name = os.path.basename(h.root)
+    name = os.path.basename(h.namespace_dir)
 
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
@@ -266,7 +276,9 @@ def test_ls_names_the_namespace_and_counts_its_chunks(
     (ns,) = doc["namespaces"]
     assert ns["namespace"] == name and ns["model"] == "test-model"
     assert ns["chunks"] == doc["total_chunks"] == 2 * SEQ_CHUNKS
-    assert ns["bytes"] == sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.root))
+    assert ns["bytes"] == sum(
+        os.stat(p).st_blocks * 512 for p in chunks_of(h.namespace_dir)
+    )
     assert (ns["chunk_size"], ns["tp_size"], ns["tp_rank"]) == (CHUNK_SIZE, 1, 0)
     assert ns["key_id"] == "nokey"
     assert ns["manifest"] == manifest
@@ -362,7 +374,7 @@ def test_verify_skips_namespaces_sealed_with_another_key(
     fill(keyed, 1)
     fill(plain, 1)
     root = keyed.config.root
-    keyed_ns = os.path.basename(keyed.root)
+    keyed_ns = os.path.basename(keyed.namespace_dir)
 
     extras: list[list[str]] = [[], ["--key-file", str(keys["k2"])]]
     for extra in extras:
@@ -379,7 +391,7 @@ def test_verify_skips_namespaces_sealed_with_another_key(
     assert code == 0
     assert doc["checked"] == doc["good"] == 2 * SEQ_CHUNKS and not doc["skipped"]
     # A keyed chunk with a flipped byte fails its MAC.
-    path = chunks_of(keyed.root)[0]
+    path = chunks_of(keyed.namespace_dir)[0]
     flip_byte(path, os.path.getsize(path) - 200)
     code, doc = run_json(capsys, "verify", root, "--key-file", keys["k1"])
     assert code == 1
@@ -402,24 +414,24 @@ def test_purge_removes_that_model_only(
     fill(b, 1)
     root = Path(a.config.root)
     foreign = plant_foreign(root)
-    stray = Path(a.root) / "README"  # someone's file inside the namespace
+    stray = Path(a.namespace_dir) / "README"  # someone's file inside the namespace
     stray.write_text("mine\n")
-    b_chunks = sorted(chunk_files(b.root))
-    which = "org/model-a" if by == "--model" else os.path.basename(a.root)
+    b_chunks = sorted(chunk_files(b.namespace_dir))
+    which = "org/model-a" if by == "--model" else os.path.basename(a.namespace_dir)
 
     code, doc = run_json(capsys, "purge", root, by, which, "--dry-run")
     assert code == 0
     (ns,) = doc["namespaces"]
-    assert ns["namespace"] == os.path.basename(a.root)
+    assert ns["namespace"] == os.path.basename(a.namespace_dir)
     assert ns["chunks"] == 2 * SEQ_CHUNKS and ns["left_alone"] == [str(stray)]
-    assert len(chunks_of(a.root)) == 2 * SEQ_CHUNKS  # nothing went
+    assert len(chunks_of(a.namespace_dir)) == 2 * SEQ_CHUNKS  # nothing went
 
     code, out, _ = run(capsys, "purge", root, by, which)
     assert code == 0
-    assert f"purged {os.path.basename(a.root)} (org/model-a): 8 chunks" in out
-    assert os.listdir(a.root) == ["README"]  # all the cache's own went
-    assert sorted(chunk_files(b.root)) == b_chunks
-    assert os.path.exists(os.path.join(b.root, MANIFEST))
+    assert f"purged {os.path.basename(a.namespace_dir)} (org/model-a): 8 chunks" in out
+    assert os.listdir(a.namespace_dir) == ["README"]  # all the cache's own went
+    assert sorted(chunk_files(b.namespace_dir)) == b_chunks
+    assert os.path.exists(os.path.join(b.namespace_dir, MANIFEST))
     assert all(p.exists() or p.is_symlink() for p in foreign)
     code, doc = run_json(capsys, "verify", root)
     assert code == 0 and doc["good"] == SEQ_CHUNKS
@@ -440,12 +452,12 @@ def test_purge_by_model_base_name_without_manifest(
 ) -> None:
     """Without a manifest a model is known by its name in the namespace."""
     h = make_cache(model="/models/model-c")
-    Path(h.root, MANIFEST).unlink(missing_ok=True)
+    Path(h.namespace_dir, MANIFEST).unlink(missing_ok=True)
     fill(h, 1)
     code, doc = run_json(capsys, "purge", h.config.root, "--model", "model-c")
     assert code == 0 and doc["chunks"] == SEQ_CHUNKS
     assert chunk_files(h.config.root) == []
-    assert not os.path.exists(h.root)  # the whole namespace went
+    assert not os.path.exists(h.namespace_dir)  # the whole namespace went
 
 
 def test_evict_to_a_size_least_recently_used_first(
@@ -475,7 +487,7 @@ def test_evict_to_a_size_least_recently_used_first(
     assert not any(os.path.exists(h.chunk_path(prompts[0], c)) for c in range(4))
     assert all(os.path.exists(h.chunk_path(prompts[2], c)) for c in range(4))
     assert all(p.exists() or p.is_symlink() for p in foreign)
-    assert os.path.exists(os.path.join(h.root, MANIFEST))
+    assert os.path.exists(os.path.join(h.namespace_dir, MANIFEST))
     # Already under: nothing to do.
     code, doc = run_json(capsys, "evict", root, "--to", "10G")
     assert code == 0 and doc["evicted"] == 0 and doc["bytes_after"] == after
@@ -558,7 +570,7 @@ def test_settings_show_and_change_what_the_sweepers_follow(
     code, doc = run_json(capsys, "settings", root)
     assert doc["recorded"] and doc["ttl_s"] == 0.0
     assert doc["disk_limit_bytes"] in (1 << 40, default_limit)
-    total = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.root))
+    total = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.namespace_dir))
 
     code, out, _ = run(capsys, "settings", root, "--disk-limit", str(total // 2))
     assert code == 0 and "now" in out
@@ -572,7 +584,7 @@ def test_settings_show_and_change_what_the_sweepers_follow(
     assert "root settings: disk limit" in out and "TTL 3600 s" in out
 
     sweeper.sweep()
-    left = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.root))
+    left = sum(os.stat(p).st_blocks * 512 for p in chunks_of(h.namespace_dir))
     assert 0 < left <= total // 2
     assert sweeper.ttl_s == 3600.0
 
@@ -611,7 +623,7 @@ def test_runs_as_installed(make_cache: CacheFactory, tmp_path: Path, how: str) -
     )
     assert done.returncode == 0, done.stderr
     (ns,) = json.loads(done.stdout)["namespaces"]
-    assert ns["namespace"] == os.path.basename(h.root)
+    assert ns["namespace"] == os.path.basename(h.namespace_dir)
     assert ns["chunks"] == SEQ_CHUNKS and ns["dtype"] == "float32"
     if how != "console-script":
         return

@@ -24,7 +24,7 @@ from vllm.worker.vineyard.config import (
     env_name,
     setting_fields,
 )
-from vllm.worker.vineyard.storage.chunks import load_auth_key
+from vllm.worker.vineyard.storage.digests import load_auth_key
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
 
 GiB = 1 << 30

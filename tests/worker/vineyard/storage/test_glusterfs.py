@@ -78,17 +78,29 @@ def test_two_hosts_share_one_root_on_glusterfs(tmp_path: Path) -> None:
             old = time.time() - 10_000
             for path in chunks:
                 os.utime(path, (old, old))
-            time.sleep(1.5)  # past FUSE's attribute cache
+            # Past FUSE's attribute cache: B's mount sees them old.
+            seen_by_b = [root_b / os.path.relpath(path, root_a) for path in chunks]
+            assert wait_until(
+                lambda: all(p.stat().st_mtime < old + 1 for p in seen_by_b), 30.0
+            )
             assert host_b.load(prompts[0]) == PREFIX
-            time.sleep(1.5)
-            per_prompt = sum(
-                c.disk_bytes for c in scan_root(str(root_a)).chunks if c.mtime > old + 1
+
+            def used_since() -> list[int]:
+                return [
+                    c.disk_bytes
+                    for c in scan_root(str(root_a)).chunks
+                    if c.mtime > old + 1
+                ]
+
+            # B's hit (the prompt's 4 chunks) is seen through A's mount.
+            assert wait_until(lambda: len(used_since()) == 4, 30.0)
+            per_prompt = sum(used_since())
+            new_settings = RootSettings(2 * per_prompt, 0.0)
+            record_root_settings(str(root_b), new_settings, replace=True)
+            # Past FUSE's caches: A's mount reads B's settings.
+            assert wait_until(
+                lambda: read_root_settings(str(root_a)) == new_settings, 30.0
             )
-            assert per_prompt > 0  # B's hit is seen through A's mount
-            record_root_settings(
-                str(root_b), RootSettings(2 * per_prompt, 0.0), replace=True
-            )
-            time.sleep(1.5)
             assert sweeper_a.sweep()
             assert sweeper_a.limit_bytes == 2 * per_prompt  # B's change
             left = {c.path for c in scan_root(str(root_a)).chunks}

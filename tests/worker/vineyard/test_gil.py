@@ -192,7 +192,7 @@ def measure_async(h: CacheHarness) -> list[LoopTime]:
             blocks = h.blocks_for(i * (length // h.block_size + 1), length)
             req = h.request(f"r{i}", make_tokens(length), length - 1, blocks)
             assert cache.save([req])
-            cache.release(req.req_id)
+            cache.saves.release(req.req_id)
         loaded = loop_time(lambda: pool.num_in_flight > 0, max_s=30.0)
         h.wait()
         assert loaded.slices >= 5, f"writes too fast to measure ({loaded.slices})"

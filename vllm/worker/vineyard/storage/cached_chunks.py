@@ -75,7 +75,7 @@ def _remove_if_damaged(
             "(a hash collision; left in place, the tokens are recomputed): %s",
             path,
         )
-    elif remove_file(files.root, path, st.st_ino):
+    elif remove_file(files.namespace_dir, path, st.st_ino):
         counts["corrupt_chunks"] = counts.get("corrupt_chunks", 0) + 1
         log.warning(
             "wrong-size",

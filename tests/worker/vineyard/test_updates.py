@@ -39,7 +39,7 @@ from vllm.worker.vineyard.backend.protocol import (
     UpdateRequest,
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
-from vllm.worker.vineyard.storage.chunks import extend_digests
+from vllm.worker.vineyard.storage.digests import extend_digests
 from vllm.worker.vineyard.transfer.backends import BackendCalls
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 
@@ -115,7 +115,7 @@ def test_burst_from_several_sequences_keeps_issue_order(make_cache: CacheFactory
     assert counters["updates_failed"] == 0
     assert counters["tokens_written"] == 4 * full
     assert counters["updates_submitted"] == counters["updates_completed"]
-    assert len(chunk_files(h.root)) == 4 * full // CHUNK_SIZE
+    assert len(chunk_files(h.namespace_dir)) == 4 * full // CHUNK_SIZE
 
 
 def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:

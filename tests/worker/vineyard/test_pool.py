@@ -6,7 +6,7 @@ The pool runs over real shared memory; the updater's backend is replaced
 by a small ``write`` callable, which is what these tests are about: the
 order of the writes and where every buffer goes on success, failure and
 shutdown. The same paths with the real backend are in
-test_vineyard_updates.py.
+test_updates.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import TestingPool
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.transfer.saves import Segment, UpdateResult, UpdateTask
-from vllm.worker.vineyard.transfer.staging import StagingMemory
+from vllm.worker.vineyard.transfer.staging import BufferBacking, StagingMemory
 from vllm.worker.vineyard_llm_cache import _AsyncUpdater, _PinnedTensorPool
 
 MAX_BLOCKS = 4
@@ -259,9 +259,9 @@ def test_a_burst_at_startup_takes_every_buffer(memory: StagingMemory) -> None:
         assert pool.num_created == 8
 
 
-class SlicedPool(TestingPool):
-    """Buffers of many slices, recording the priority (nice) each thread
-    backs them at."""
+class SlicedBacking(BufferBacking):
+    """Buffers of many slices, recording the priority (nice) and cores each
+    thread backs them at."""
 
     SLICE_BYTES = 4096
 
@@ -276,6 +276,20 @@ class SlicedPool(TestingPool):
         self.nice_by_thread.setdefault(name, nice)
         self.cores_by_thread.setdefault(name, os.sched_getaffinity(0))
         super()._back_slice(buffer_id, index)
+
+
+class SlicedPool(TestingPool):
+    backing_type = SlicedBacking
+
+    @property
+    def nice_by_thread(self) -> dict[str, int]:
+        assert isinstance(self._backing, SlicedBacking)
+        return self._backing.nice_by_thread
+
+    @property
+    def cores_by_thread(self) -> dict[str, set[int]]:
+        assert isinstance(self._backing, SlicedBacking)
+        return self._backing.cores_by_thread
 
 
 def test_a_burst_takes_over_buffers_half_backed() -> None:

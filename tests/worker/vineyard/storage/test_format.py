@@ -44,14 +44,13 @@ from tests.worker.vineyard_cache_testing import (
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.log_limiter import LogLimiter
-from vllm.worker.vineyard.storage.chunks import (
+from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.digests import (
     FORMAT_VERSION,
-    TRAILER_BYTES,
-    ChunkFiles,
-    Sealer,
     extend_digests,
     synthetic_ids,
 )
+from vllm.worker.vineyard.storage.sealing import TRAILER_BYTES, Sealer
 
 SEQ_CHUNKS = 4
 SEQ_LEN = SEQ_CHUNKS * CHUNK_SIZE + 3
@@ -104,7 +103,7 @@ def test_round_trip_is_bit_exact(
     counters = h.counters()
     assert counters["tokens_written"] == cached
     assert counters["bytes_written"] == cached // block_size * h.layout.entry_bytes
-    assert len(chunk_files(h.root)) == 3
+    assert len(chunk_files(h.namespace_dir)) == 3
     assert h.lookup(tokens) == (cached, cached)
 
     dst = h.blocks_for(blocks_each, length)
@@ -421,7 +420,7 @@ def test_lookups_read_no_kv(make_cache: CacheFactory, opened_paths: list[str]):
     every rank holds (the minimum). A load then does read: the counter can
     fail."""
     ranks = [make_cache(tp_size=2, tp_rank=r, seed=r) for r in range(2)]
-    assert ranks[0].root != ranks[1].root
+    assert ranks[0].namespace_dir != ranks[1].namespace_dir
     config = ranks[0].config
     lookups = VineyardCacheLookup(config, [r.layout for r in ranks])
     tokens, missing = make_tokens(SEQ_LEN), make_tokens(SEQ_LEN)
@@ -475,9 +474,11 @@ def key_files(tmp_path: Path) -> dict[str, str]:
 def _plant(source: CacheHarness, target: CacheHarness) -> int:
     """Copy every chunk file of ``source``'s namespace to the same place in
     ``target``'s (chunk paths depend on the ids only); returns how many."""
-    files = chunk_files(source.root)
+    files = chunk_files(source.namespace_dir)
     for path in files:
-        dest = os.path.join(target.root, os.path.relpath(path, source.root))
+        dest = os.path.join(
+            target.namespace_dir, os.path.relpath(path, source.namespace_dir)
+        )
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         shutil.copyfile(path, dest)
     return len(files)
@@ -494,10 +495,10 @@ def test_keyed_caches_load_only_chunks_sealed_with_their_key(
     k1_twin = make_cache(auth_key_file=key_files["k1"], seed=2)
     k2 = make_cache(auth_key_file=key_files["k2"], seed=3)
     plain = make_cache(seed=4)
-    assert k1.root == k1_twin.root
-    assert len({k1.root, k2.root, plain.root}) == 3
-    assert k1.root.endswith("-" + k1.layout.key_id)
-    assert plain.root.endswith("-nokey")
+    assert k1.namespace_dir == k1_twin.namespace_dir
+    assert len({k1.namespace_dir, k2.namespace_dir, plain.namespace_dir}) == 3
+    assert k1.namespace_dir.endswith("-" + k1.layout.key_id)
+    assert plain.namespace_dir.endswith("-nokey")
 
     # The same key: one namespace, shared hits, bit for bit.
     tokens = make_tokens(SEQ_LEN)
@@ -552,7 +553,7 @@ def test_chunks_copied_across_namespaces_are_never_loaded(
         if other == "model"
         else make_cache(tp_size=2, tp_rank=1, seed=2, **key)
     )
-    assert mine.root != theirs.root
+    assert mine.namespace_dir != theirs.namespace_dir
     tokens = make_tokens(SEQ_LEN)
     theirs.save_tokens(tokens, SRC)
     assert _plant(theirs, mine) >= SEQ_CHUNKS
@@ -610,7 +611,7 @@ def _modes(root: str) -> tuple[set[int], set[int]]:
 
 def test_files_are_owner_only_by_default(small_cache: CacheHarness):
     small_cache.save_tokens(make_tokens(SEQ_LEN), SRC)
-    files, dirs = _modes(small_cache.root)
+    files, dirs = _modes(small_cache.namespace_dir)
     assert files == {0o600}
     assert dirs == {0o700}
 
@@ -618,7 +619,7 @@ def test_files_are_owner_only_by_default(small_cache: CacheHarness):
 def test_group_access_makes_files_group_readable(make_cache: CacheFactory):
     h = make_cache(group_access=True)
     h.save_tokens(make_tokens(SEQ_LEN), SRC)
-    files, dirs = _modes(h.root)
+    files, dirs = _modes(h.namespace_dir)
     # What umask 007 gives: the owner's bits for the group, none for others.
     assert files and all(m & 0o060 == 0o060 and m & 0o007 == 0 for m in files)
     assert dirs == {0o770}
@@ -634,17 +635,17 @@ def test_v1_namespace_on_the_same_root_is_never_read(small_cache: CacheHarness):
     holding files at the very paths that v2 computes, is never looked at:
     v2 namespaces are named apart (version and chunk size in the name)."""
     h = small_cache
-    name = os.path.basename(h.root)
+    name = os.path.basename(h.namespace_dir)
     assert name.startswith(f"v{FORMAT_VERSION}-")
     assert f"-c{CHUNK_SIZE}-" in name
     v1_dir = os.path.join(h.config.root, "test-model-0123456789abcdef-tp1r0")
     tokens = make_tokens(SEQ_LEN)
     h.save_tokens(tokens, SRC)
-    for path in chunk_files(h.root):
-        dest = os.path.join(v1_dir, os.path.relpath(path, h.root))
+    for path in chunk_files(h.namespace_dir):
+        dest = os.path.join(v1_dir, os.path.relpath(path, h.namespace_dir))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         os.replace(path, dest)  # moved: only the v1 dir has them now
-    assert not chunk_files(h.root)
+    assert not chunk_files(h.namespace_dir)
     assert h.lookup(tokens) == (0, 0)
     before = h.kv.clone()
     assert h.load(tokens, 0, CACHED, h.blocks_for(DST, SEQ_LEN)) == 0
@@ -660,7 +661,10 @@ def test_chunk_sizes_on_one_root_never_load_each_others_chunks(
     32-token cache's second chunk's); namespaces keep them apart."""
     h32 = small_cache
     h64 = make_cache(root=Path(h32.config.root), chunk_size=2 * CHUNK_SIZE, seed=7)
-    assert h64.root != h32.root and f"-c{2 * CHUNK_SIZE}-" in h64.root
+    assert (
+        h64.namespace_dir != h32.namespace_dir
+        and f"-c{2 * CHUNK_SIZE}-" in h64.namespace_dir
+    )
     tokens = make_tokens(SEQ_LEN)
     h64.save_tokens(tokens, SRC)
     assert h32.lookup(tokens) == (0, 0)

@@ -38,7 +38,7 @@ from tests.worker.vineyard_cache_testing import (
     stop_process,
 )
 from vllm.worker.vineyard import cores, launch
-from vllm.worker.vineyard.backend import client
+from vllm.worker.vineyard.backend import progress
 from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
 
@@ -53,7 +53,7 @@ def saved_sequence(h: CacheHarness, req_id: str = "req") -> tuple[list[int], lis
     blocks = h.blocks_for(0, SEQ_LEN)
     written = h.counters()["tokens_written"]
     h.save_all([h.request(req_id, tokens, SEQ_LEN, blocks)])
-    h.cache.release(req_id)
+    h.cache.saves.release(req_id)
     assert h.counters()["tokens_written"] - written == CACHED
     return tokens, blocks
 
@@ -306,7 +306,7 @@ def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
     all, and returns within seconds, not after the startup timeout."""
     spec = BackendSpec(
         settings=default_settings(),
-        root=str(tmp_path / "namespace"),
+        namespace_dir=str(tmp_path / "namespace"),
         blocks_per_chunk=1,
         entry_bytes=256,
         max_blocks=4,
@@ -328,7 +328,8 @@ def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
 
     waiter = threading.Thread(target=restart)
     waiter.start()
-    time.sleep(0.5)  # it holds the handle, waiting for the backend
+    # It holds the handle, waiting for the backend.
+    assert wait_until(backend._lock.locked, 10.0)
     start = time.monotonic()
     backend.close()
     assert time.monotonic() - start < CLOSE_WAIT_S + 2.0
@@ -416,8 +417,8 @@ def test_a_writer_starved_of_cpu_is_not_restarted(
     to two timeouts; waits for a CPU do not count), completes and it is not
     restarted. (It stays on the starved core: see
     test_a_starved_backend_may_run_on_every_core.)"""
-    monkeypatch.setattr(client, "MAX_BUSY_TIMEOUTS", 2)
-    monkeypatch.setattr(client, "STARVED_S", float("inf"))
+    monkeypatch.setattr(progress, "MAX_BUSY_TIMEOUTS", 2)
+    monkeypatch.setattr(progress, "STARVED_S", float("inf"))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to starve, one for the test")
@@ -510,8 +511,7 @@ def test_two_readers_where_two_cores_are_free(
 
 def test_the_reader_maps_its_buffers_before_the_first_load(make_cache: CacheFactory):
     """The engine backs the read buffers at startup, and the reader maps
-    them at once too: a first load that faulted in the reader's pages ran
-    1.3x slower than the next ones."""
+    them at once too, so that no load faults in the reader's pages."""
     h = make_cache()
     memory = h.cache._read_buffers.memory
     size = memory.count * memory.buffer_bytes

@@ -39,14 +39,14 @@ DST_BLOCK = 40  # another request's blocks, loaded into
 def test_round_trip_is_bit_identical(request: pytest.FixtureRequest, cache: str):
     h: CacheHarness = request.getfixturevalue(cache)
     tokens = make_tokens(SEQ_LEN)
-    files_before = len(chunk_files(h.root))
+    files_before = len(chunk_files(h.namespace_dir))
     src = h.save_tokens(tokens, SRC_BLOCK)
     counters = h.counters()
     assert counters["tokens_written"] == CACHED  # the partial chunk is not saved
     assert counters["tokens_rejected"] == counters["updates_failed"] == 0
     # The buffer holds 4 chunks: two tasks.
     assert counters["updates_completed"] == 2
-    assert len(chunk_files(h.root)) - files_before == SEQ_CHUNKS
+    assert len(chunk_files(h.namespace_dir)) - files_before == SEQ_CHUNKS
 
     assert h.lookup(tokens, 0) == (CACHED, CACHED)
     dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
@@ -292,7 +292,7 @@ def test_namespaces_do_not_see_each_other(
     """Two layouts on the same root never share chunks."""
     first = small_cache
     other = make_cache(root=Path(first.config.root), seed=2, **differs)
-    assert first.root != other.root
+    assert first.namespace_dir != other.namespace_dir
 
     tokens = make_tokens(SEQ_LEN)
     src = first.save_tokens(tokens, SRC_BLOCK)
@@ -319,7 +319,7 @@ def test_same_layout_on_the_same_root_shares_chunks(
     """Another instance of the same model (same layout, same root) loads what
     this one saved: the namespace is deterministic."""
     twin = make_cache(root=Path(small_cache.config.root), seed=5)
-    assert twin.root == small_cache.root
+    assert twin.namespace_dir == small_cache.namespace_dir
     tokens = make_tokens(SEQ_LEN)
     src = small_cache.save_tokens(tokens, SRC_BLOCK)
     assert twin.lookup(tokens, 0) == (CACHED, CACHED)
@@ -340,7 +340,7 @@ def test_a_truncated_chunk_is_removed_by_the_lookup_and_written_again(
     tokens = make_tokens(SEQ_LEN)
     h.save_tokens(tokens, SRC_BLOCK)
     assert h.lookup(tokens) == (CACHED, CACHED)
-    by_size = sorted(chunk_files(h.root), key=os.path.getsize)
+    by_size = sorted(chunk_files(h.namespace_dir), key=os.path.getsize)
     truncated = by_size[2]
     with open(truncated, "r+b") as f:
         f.truncate(os.path.getsize(truncated) // 2)

@@ -1,0 +1,216 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Whether a backend process is still working on the request in flight, as
+``/proc`` tells (:class:`ProgressWatch`): a backend that makes progress,
+however slowly, is waited for; one that makes none for a timeout is taken
+for hung.
+
+- Progress is anything that changes while the process serves a request:
+  its main thread's CPU time, bytes read and written, context switches;
+  while it waits for the disk, the I/O the disk completes; while it waits
+  for a CPU, always.
+- A request's time counts only the CPU it got while runnable: a backend
+  starved by busy engines is slow, not hung. One that keeps making progress
+  is still taken for hung after :data:`MAX_BUSY_TIMEOUTS` timeouts of its
+  own time (a loop that never finishes).
+- A backend starved for :data:`STARVED_S` may run on every core from then
+  on.
+
+Imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+#: A backend that keeps making progress is waited for up to this many
+#: timeouts of its own time (not counting its waits for a CPU) before it is
+#: taken for hung (a loop that never finishes).
+MAX_BUSY_TIMEOUTS = 10
+#: A backend that waited this long for a CPU during one request may run on
+#: every core from then on, beside its own engine's forward pass (it starts
+#: on the cores the worker does not use).
+STARVED_S = 1.0
+
+
+def disk_stat_path(path: str) -> str | None:
+    """The I/O counters of the block device ``path`` is on, if it is on one
+    (not a network or FUSE filesystem)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    return stat_path if os.path.exists(stat_path) else None
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """What ``/proc`` tells of a backend process at one moment."""
+
+    #: What changes while it serves a request, however slowly: its main
+    #: thread's CPU time, bytes read and written, and context switches
+    #: (each blocking call that returns is one, so a filesystem that answers
+    #: slowly counts); while the thread waits for the disk, the I/O the disk
+    #: completes; while a thread waits for a CPU, always new. It stands
+    #: still while the thread is stopped, blocked in the kernel on a
+    #: filesystem that hangs, or waiting for something that does not come.
+    progress: tuple[int, ...]
+    ran_s: float  # the CPU time all its threads have had (the scheduler's)
+    #: Whether a thread waits for a CPU: the main thread, or another one
+    #: while the main thread sleeps (it may wait for the GIL that a starved
+    #: thread holds).
+    runnable: bool
+
+
+def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
+    """One reading of process ``pid`` (``disk_stat``: the counters of the
+    block device its root is on), each thread's files read once: the
+    forward thread takes it every step while a request is in flight.
+    ``None`` where ``/proc`` does not tell."""
+    if pid is None:
+        return None
+    task = f"/proc/{pid}/task/{pid}"
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        with open(f"{task}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        state = fields[0]
+        # A stopped thread or one in uninterruptible I/O (see the disk) is
+        # not waiting for a CPU, whatever its other threads do.
+        runnable = state == b"R"
+        ran_ns = 0
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    ran_ns += int(f.read().split()[0])
+                if state == b"S" and not runnable and tid != str(pid):
+                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                        thread_state = f.read().rsplit(b")", 1)[1].split()[0]
+                    runnable = thread_state == b"R"
+        disk: tuple[int, ...] = ()
+        if runnable:
+            # Waiting for a CPU that busy engines keep: starved, which is
+            # slow, not hung (an always-new value: progress).
+            disk = (time.monotonic_ns(),)
+        elif disk_stat is not None and state == b"D":
+            # Waiting for the disk (fsync, writeback): its progress counts.
+            with open(disk_stat, "rb") as f:
+                counts = f.read().split()
+            disk = (int(counts[0]), int(counts[4]))  # reads, writes completed
+        with open(f"{task}/status", "rb") as f:
+            status = dict(line.split(b":", 1) for line in f.read().splitlines())
+        with open(f"{task}/io", "rb") as f:
+            io = dict(line.split(b":", 1) for line in f.read().splitlines())
+        progress = (
+            int(fields[11]),  # utime (field 14; the state is field 3)
+            int(fields[12]),  # stime
+            int(status[b"voluntary_ctxt_switches"]),
+            int(status[b"nonvoluntary_ctxt_switches"]),
+            int(io[b"rchar"]),
+            int(io[b"wchar"]),
+            *disk,
+        )
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return _Sample(progress, ran_ns / 1e9, runnable)
+
+
+@dataclass
+class _Watch:
+    """The progress of the request in flight."""
+
+    mark: tuple[int, ...] | None  # its process's progress as last seen
+    quiet_since: float  # when that last changed
+    checked_at: float
+    ran_s: float | None  # its process's CPU time at ``checked_at``
+    #: Time the request has had: while its process is runnable, only the
+    #: CPU time it got. Busy engines can starve a backend for tens of
+    #: seconds, and a starved backend is slow, not hung.
+    busy_s: float = 0.0
+    starved_s: float = 0.0  # the rest: runnable, without a CPU
+
+
+class ProgressWatch:
+    """The progress of one backend handle's request in flight (one at a
+    time), for the handle to tell slow from hung. Not thread-safe: the
+    handle calls it under its lock."""
+
+    def __init__(self, name: str, disk_stat: str | None) -> None:
+        #: The backend's name, in what is logged.
+        self.name = name
+        #: The I/O counters of the block device of the root (see
+        #: :func:`disk_stat_path`), whose progress counts as the backend's.
+        self._disk_stat = disk_stat
+        self._watch = _Watch(None, 0.0, 0.0, None)
+        self._everywhere = False  # the process may run on every core
+
+    def new_process(self) -> None:
+        """A new process runs: it starts off the worker's cores."""
+        self._everywhere = False
+
+    def start(self, pid: int | None) -> None:
+        """A request was sent to process ``pid``: its progress from now."""
+        now = time.monotonic()
+        seen = _sample(pid, self._disk_stat)
+        self._watch = _Watch(
+            seen.progress if seen else None,
+            now,
+            now,
+            seen.ran_s if seen else None,
+        )
+
+    def stall(self, pid: int | None, quiet_s: float) -> str | None:
+        """Why the request in flight is taken for hung, or ``None``: its
+        process made no progress for ``quiet_s``, or has been busy with it
+        for :data:`MAX_BUSY_TIMEOUTS` times that, not counting its waits
+        for a CPU. A process starved of CPU or waiting for a busy disk is
+        slow, not hung: it goes on."""
+        watch, now = self._watch, time.monotonic()
+        seen = _sample(pid, self._disk_stat)
+        if seen is not None and seen.progress != watch.mark:
+            watch.mark, watch.quiet_since = seen.progress, now
+        elapsed_s = had_s = now - watch.checked_at
+        if seen is not None and watch.ran_s is not None and seen.runnable:
+            # Runnable: the CPU it got, not the time it waited for one.
+            had_s = min(had_s, max(0.0, seen.ran_s - watch.ran_s))
+        watch.busy_s += had_s
+        watch.starved_s += elapsed_s - had_s
+        watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
+        if watch.starved_s >= STARVED_S and pid is not None and not self._everywhere:
+            self._run_everywhere(pid, watch.starved_s)
+        if now - watch.quiet_since >= quiet_s:
+            return f"no progress for {quiet_s:g} s"
+        if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
+            return (
+                f"still busy after {watch.busy_s:.0f} s (not counting its "
+                "waits for a CPU)"
+            )
+        return None
+
+    def _run_everywhere(self, pid: int, starved_s: float) -> None:
+        """Let a starved backend run on every core. The cores the worker
+        does not use can be as busy as its own (another instance's engine
+        there, every core bound to an engine), and Linux shares a core
+        among groups of processes (sessions, cgroups) by each group's load
+        on it: alone on another group's busy core, a backend can get no CPU
+        for many seconds, while beside its own engine its group has its
+        share (and the writer's nice 10 lets the pass win)."""
+        self._everywhere = True
+        every = range(os.cpu_count() or 1)
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), every)
+        logger.info(
+            "%s vineyard backend waited %.1f s for a CPU on the cores the "
+            "worker does not use; it may run on every core now",
+            self.name,
+            starved_s,
+        )
