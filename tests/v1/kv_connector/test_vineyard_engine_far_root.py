@@ -140,8 +140,11 @@ def test_requests_that_opt_out_or_cap(
         assert run.delta(i, "tokens_written") == 0, label
         assert run.delta(i, "loaded_tokens") == 0, label
         assert run.delta(i, "requests_opted_out") == len(run.rounds[i].outputs)
-    capped = run.rounds[round_index("capped")].num_cached_tokens
-    assert capped == [CAP, CAP]
+    # No request loads more than its cap (a load stopped for slowness on a
+    # busy machine loads less).
+    i = round_index("capped")
+    assert all(n <= CAP for n in run.rounds[i].num_cached_tokens)
+    assert 0 < run.delta(i, "loaded_tokens") <= len(prompts["P"]) * CAP
 
 
 def test_a_slow_link_costs_no_more_than_computing(

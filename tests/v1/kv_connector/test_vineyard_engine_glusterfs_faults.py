@@ -11,7 +11,7 @@ Both engines run at once (one forked, one a fresh interpreter); each round is
 held at a gate until the test has changed the filesystem for it (see
 ``gate`` in ``vineyard_engine_testing``). The cache-level versions of these
 faults, with both kinds of mount loss, are in
-``tests/worker/test_vineyard_glusterfs_faults.py``.
+``tests/worker/vineyard/storage/test_glusterfs_faults.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with outputs identical to no cache; ``purge --model`` leaves another
 model's chunks and a file that is not the cache's alone.
 
 The tool's commands, errors and exit codes in detail are tested on caches
-without an engine in ``tests/worker/test_vineyard_cli.py``.
+without an engine in ``tests/worker/vineyard/cli/test_cli.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from vllm.worker.vineyard.storage.layout import KVCacheLayout
 @dataclass
 class RequestDelta:
     """A scheduled request's news for this step. Blocks are named by their
-    chained digests (see :mod:`~vllm.worker.vineyard.storage.chunks`), sent
+    chained digests (see :mod:`~vllm.worker.vineyard.storage.digests`), sent
     once each, so a decode step costs a few integers."""
 
     req_id: str

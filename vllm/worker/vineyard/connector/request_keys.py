@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What besides its token ids determines a request's KV, as the cache's
 block digests carry it (see
-:func:`~vllm.worker.vineyard.storage.chunks.extend_digests`).
+:func:`~vllm.worker.vineyard.storage.digests.extend_digests`).
 
 - ``cache_salt``: the digest chain starts from it.
 - A LoRA adapter: the identity of its weights (a digest of every byte

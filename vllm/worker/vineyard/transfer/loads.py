@@ -161,7 +161,13 @@ class LoadPipeline:
         first, last = start // self._layout.chunk_size * bpc, end // bs
         read_end = min(-(-last // bpc), len(digests) // bpc) * bpc
         step = self._segment_blocks
-        segments = [(b, min(b + step, read_end)) for b in range(first, read_end, step)]
+        # A load that may be stopped for slowness reads its first chunk on
+        # its own: its pace shows after one chunk, not one segment.
+        lead = bpc if compute_s_per_token is not None and read_end > first else 0
+        segments = [(first, min(first + lead, read_end))] if lead else []
+        segments += [
+            (b, min(b + step, read_end)) for b in range(first + lead, read_end, step)
+        ]
         job = LoadJob(
             req_id=req_id,
             ids=synthetic_ids(digests[:read_end]),
