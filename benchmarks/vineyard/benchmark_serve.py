@@ -20,13 +20,36 @@ concurrency of several requests. Configurations, side by side in one run:
   answering): requests completed during the freeze are counted, and the
   server's shutdown afterwards is timed.
 
-Per configuration: mean and p99 TTFT, p99 and max inter-token latency,
-request throughput, and the vineyard hit rate; then the slow and frozen
-roots' ratios to ``fuse``. ``--scenario chats`` runs
-the several-instance scenario instead (``serve_chats.py``). Usage::
+Two loads (``--load light|heavy|both``, default both):
+
+- ``heavy`` (the rows above): ``concurrency`` requests at once, sent as
+  fast as they complete: the engine never idles, so what the slow root
+  costs hides behind other requests' work;
+- ``light``: the same requests one at a time (``--max-concurrency 1``),
+  arriving at ``light_request_rate`` requests/s (Poisson; ``--light-rate``),
+  well under what the engine serves, so that it is mostly idle between
+  requests and the root's round trips land in each request's own TTFT.
+  Runs ``no cache``, ``fuse`` and ``slow fs`` only.
+
+Per configuration and load: mean, p99 and max TTFT, p99 and max
+inter-token latency, request throughput, the mean number of requests in
+flight (the sum of request latencies over the run's duration: about 1 or
+less means an engine mostly idle), and the vineyard hit rate; then the slow
+and frozen roots' ratios to ``fuse`` (heavy load), and, per load side by
+side, ``no cache``, ``fuse`` and ``slow fs`` with mean TTFT, p99 ITL and
+throughput and their ratios to ``fuse`` and to ``no cache`` (under the light
+load throughput follows the arrival rate: its ratios are about 1 by
+construction; mean TTFT is the figure to read). ``--scenario chats`` runs
+the several-instance scenario instead (``serve_chats.py``, with its
+``--runs``, ``--think-s``, ``--peer``, ``--root-latency-ms`` and
+``--glusterfs``). Usage::
 
     python benchmarks/vineyard/benchmark_serve.py [--quick] [--json out.json]
+        [--only NAME ...] [--load light|heavy|both] [--light-rate R]
         [--scenario chats]
+
+``--quick`` runs a few requests per configuration, both loads unless
+``--load`` says otherwise.
 
 Needs ``/dev/fuse``, Debian's ``fuse3`` and ``mfusepy`` for the FUSE rows
 (``tools/setup_env.sh`` installs them); without them those rows are skipped
@@ -41,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,14 +103,32 @@ class Plan:
     freeze_s: float = 20.0
     backend_timeout_s: float = BACKEND_TIMEOUT_S
     lookup_timeout_s: float = LOOKUP_TIMEOUT_S
+    # The light load: the same requests, one at a time, arriving well under
+    # what the engine serves (a request alone takes about 1.5-3 s here), so
+    # that it mostly idles between them (96 requests: about 8 minutes).
+    light_num_prefixes: int = 48
+    light_num_prompts: int = 96
+    light_concurrency: int = 1
+    light_request_rate: float = 0.2  # requests/s
 
 
 QUICK = Plan(num_prefixes=8, num_prompts=16, output_len=8, freeze_at_s=10.0,
-             freeze_s=6.0)  # fmt: skip
+             freeze_s=6.0, light_num_prefixes=2, light_num_prompts=4,
+             light_request_rate=0.5)  # fmt: skip
+#: The loads, and the configurations the light one runs.
+LOADS = ("heavy", "light")
+LIGHT_CONFIGS = ("no cache", "fuse", "slow fs")
 
 
-def bench(plan: Plan, server: Server, model: str, work: Path) -> dict[str, Any]:
-    """``vllm bench serve`` against the server; its detailed results."""
+def bench(
+    plan: Plan, server: Server, model: str, work: Path, load: str = "heavy"
+) -> dict[str, Any]:
+    """``vllm bench serve`` against the server, under the ``load``; its
+    detailed results."""
+    light = load == "light"
+    num_prefixes = plan.light_num_prefixes if light else plan.num_prefixes
+    num_prompts = plan.light_num_prompts if light else plan.num_prompts
+    concurrency = plan.light_concurrency if light else plan.concurrency
     result = work / f"{server.name}-bench.json"
     cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve"]
     cmd += ["--backend", "openai", "--base-url", server.url]
@@ -94,10 +136,12 @@ def bench(plan: Plan, server: Server, model: str, work: Path) -> dict[str, Any]:
     cmd += ["--tokenizer", model, "--dataset-name", "prefix_repetition"]
     cmd += ["--prefix-repetition-prefix-len", str(plan.prefix_len)]
     cmd += ["--prefix-repetition-suffix-len", str(plan.suffix_len)]
-    cmd += ["--prefix-repetition-num-prefixes", str(plan.num_prefixes)]
+    cmd += ["--prefix-repetition-num-prefixes", str(num_prefixes)]
     cmd += ["--prefix-repetition-output-len", str(plan.output_len)]
-    cmd += ["--num-prompts", str(plan.num_prompts)]
-    cmd += ["--max-concurrency", str(plan.concurrency), "--ignore-eos"]
+    cmd += ["--num-prompts", str(num_prompts)]
+    cmd += ["--max-concurrency", str(concurrency), "--ignore-eos"]
+    if light:
+        cmd += ["--request-rate", str(plan.light_request_rate)]
     cmd += ["--seed", "0", "--save-result", "--save-detailed"]
     cmd += ["--result-dir", str(work), "--result-filename", result.name]
     with open(work / f"{server.name}-bench.log", "w") as log:
@@ -125,6 +169,13 @@ def summarize(raw: dict[str, Any], url: str | None) -> dict[str, Any]:
         "max_itl_ms": 1e3 * max(itls, default=0.0),
         "requests_per_s": raw.get("request_throughput", 0.0),
         "completed": raw.get("completed", 0),
+        # Requests in flight on average: the engine's load (about 1 or less:
+        # mostly idle between requests).
+        "in_flight": (
+            sum(raw.get("latencies", [])) / raw["duration"]
+            if raw.get("duration")
+            else 0.0
+        ),
     }
     if url is not None:
         query = counter(url, "vllm:vineyard_cache_query_tokens_total")
@@ -155,54 +206,89 @@ def freeze_during(
     fs.freeze(False)
 
 
-def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]:
+def run(
+    plan: Plan,
+    work: Path,
+    only: list[str] | None = None,
+    loads: tuple[str, ...] = ("heavy",),
+) -> dict[str, Any]:
+    """Every configuration (or those in ``only``) under each of ``loads``:
+    the heavy load's results under ``"configs"``, the light one's under
+    ``"light_configs"``, and the loads compared (``"comparison"``)."""
     model, base_env, cache_env = setup(
         plan.kvcache_space_gib, plan.backend_timeout_s, plan.lookup_timeout_s
     )
+    result: dict[str, Any] = {"plan": asdict(plan), "loads": list(loads)}
+    for load in loads:
+        if len(loads) > 1:
+            print(f" {load} load:", flush=True)
+        configs = run_load(plan, work, model, base_env, cache_env, load, only)
+        result["configs" if load == "heavy" else "light_configs"] = configs
+    result["comparison"] = compare_loads(result)
+    return result
+
+
+def run_load(
+    plan: Plan, work: Path, model: str, base_env: dict[str, str],
+    cache_env: Callable[[Path], dict[str, str]], load: str,
+    only: list[str] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The configurations of one load (the light one runs
+    :data:`LIGHT_CONFIGS` only); servers, logs and FUSE mounts of the light
+    load are named with a ``-light`` suffix."""
+    suffix = "" if load == "heavy" else f"-{load}"
+
+    def wanted(name: str) -> bool:
+        return (not only or name in only) and (load == "heavy" or name in LIGHT_CONFIGS)
 
     peer = json.dumps({
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": str(work / "peer")},
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(work / f"peer{suffix}")},
     })  # fmt: skip
     configs: list[tuple[str, dict[str, str], list[str]]] = [
         ("no cache", base_env, []),
-        ("vineyard", cache_env(work / "root"), []),
-        ("restart", cache_env(work / "root"), []),
+        ("vineyard", cache_env(work / f"root{suffix}"), []),
+        ("restart", cache_env(work / f"root{suffix}"), []),
         ("ExampleConnector", base_env, ["--kv-transfer-config", peer]),
     ]
     results: dict[str, Any] = {}
     for name, env, args in configs:
-        if only and name not in only:
+        if not wanted(name):
             continue
         print(f"  {name} ...", end="", flush=True)
-        server = Server(name.replace(" ", "-"), model, work, env, args)
+        server = Server(name.replace(" ", "-") + suffix, model, work, env, args)
         try:
             server.wait_ready()
-            raw = bench(plan, server, model, work)
+            raw = bench(plan, server, model, work, load)
             url = server.url if "VLLM_USE_VINEYARD_CACHE" in env else None
             results[name] = summarize(raw, url)
         finally:
             results.setdefault(name, {})["shutdown_s"] = server.stop()
         print(f" {results[name].get('requests_per_s', 0):.2f} req/s", flush=True)
+    fuse_rows = [
+        (name, slow, freeze)
+        for name, slow, freeze in (
+            ("fuse", False, False),
+            ("slow fs", True, False),
+            ("frozen", True, True),
+        )
+        if wanted(name)
+    ]
     why_not = fuse_unavailable()
     if why_not is not None:
-        results["fuse"] = {"skipped": why_not}
-        return {"plan": asdict(plan), "configs": results}
-    for name, slow, freeze in (
-        ("fuse", False, False),
-        ("slow fs", True, False),
-        ("frozen", True, True),
-    ):
-        if only and name not in only:
-            continue
+        if fuse_rows:
+            results["fuse"] = {"skipped": why_not}
+        return results
+    for name, slow, freeze in fuse_rows:
         print(f"  {name} ...", end="", flush=True)
         fs = SlowFs(
-            work / name.replace(" ", "-"),
+            work / (name.replace(" ", "-") + suffix),
             plan.latency_ms if slow else 0.0,
             plan.io_latency_ms if slow else 0.0,
         )
         stat_ms = fs.stat_latency_ms()
-        server = Server(name.replace(" ", "-"), model, work,
+        server = Server(name.replace(" ", "-") + suffix, model, work,
                         cache_env(fs.mount / "root"), [])  # fmt: skip
         freeze_window: dict[str, float] = {}
         try:
@@ -216,7 +302,7 @@ def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]
             )
             if freeze:
                 thread.start()
-            raw = bench(plan, server, model, work)
+            raw = bench(plan, server, model, work, load)
             stop.set()
             if freeze:
                 thread.join()
@@ -231,31 +317,70 @@ def run(plan: Plan, work: Path, only: list[str] | None = None) -> dict[str, Any]
             results.setdefault(name, {})["shutdown_s"] = server.stop()
             fs.close()
         print(f" {results[name].get('requests_per_s', 0):.2f} req/s", flush=True)
-    return {"plan": asdict(plan), "configs": results}
+    return results
 
 
-def print_report(result: dict[str, Any]) -> None:
-    p = result["plan"]
-    print(f"\nvllm bench serve, prefix_repetition: {p['num_prefixes']} prefixes "
-          f"of {p['prefix_len']} tokens, {p['num_prompts']} requests, "
-          f"concurrency {p['concurrency']}")  # fmt: skip
-    cols = ("mean_ttft_ms", "p99_ttft_ms", "max_ttft_ms", "p99_itl_ms",
-            "max_itl_ms", "requests_per_s", "hit_rate", "shutdown_s",
-            "stat_ms")  # fmt: skip
-    print(f"  {'config':18}" + "".join(f"{c:>15}" for c in cols))
-    for name, r in result["configs"].items():
+def compare_loads(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per load run and each of :data:`LIGHT_CONFIGS` it has: mean TTFT, p99
+    ITL, throughput and requests in flight, and the ratios of the first
+    three to ``fuse`` (the same root without latency) and to ``no cache``."""
+    rows = []
+    for load in result.get("loads", ["heavy"]):
+        configs = result.get("configs" if load == "heavy" else "light_configs", {})
+        for name in LIGHT_CONFIGS:
+            r = configs.get(name, {})
+            if "mean_ttft_ms" not in r:
+                continue
+            row: dict[str, Any] = {"load": load, "config": name}
+            for key in ("mean_ttft_ms", "p99_itl_ms", "requests_per_s", "in_flight"):
+                row[key] = r.get(key, 0.0)
+            for base_name, tag in (("fuse", "fuse"), ("no cache", "no_cache")):
+                base = configs.get(base_name, {})
+                for key, short in (
+                    ("mean_ttft_ms", "mean_ttft"),
+                    ("p99_itl_ms", "p99_itl"),
+                    ("requests_per_s", "throughput"),
+                ):
+                    if base.get(key):
+                        row[f"{short}_vs_{tag}"] = r.get(key, 0.0) / base[key]
+            rows.append(row)
+    return rows
+
+
+#: The per-configuration tables' columns.
+COLUMNS = ("mean_ttft_ms", "p99_ttft_ms", "max_ttft_ms", "p99_itl_ms",
+           "max_itl_ms", "requests_per_s", "in_flight", "hit_rate",
+           "shutdown_s", "stat_ms")  # fmt: skip
+
+
+def _print_configs(configs: dict[str, Any], freeze_s: float) -> None:
+    print(f"  {'config':18}" + "".join(f"{c:>15}" for c in COLUMNS))
+    for name, r in configs.items():
         if "skipped" in r:
             print(f"  {name:18} skipped: {r['skipped']}")
             continue
         row = "".join(
             f"{r[c]:15.2f}" if isinstance(r.get(c), float) else f"{'-':>15}"
-            for c in cols
+            for c in COLUMNS
         )
         print(f"  {name:18}{row}")
         if "completed_during_freeze" in r:
-            print(f"    requests completed during the {p['freeze_s']:g} s freeze: "
+            print(f"    requests completed during the {freeze_s:g} s freeze: "
                   f"{r['completed_during_freeze']:g}")  # fmt: skip
-    configs = result["configs"]
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def print_report(result: dict[str, Any]) -> None:
+    p = result["plan"]
+    if "configs" in result:
+        print(f"\nvllm bench serve, prefix_repetition: {p['num_prefixes']} "
+              f"prefixes of {p['prefix_len']} tokens, {p['num_prompts']} requests, "
+              f"concurrency {p['concurrency']} (heavy load)")  # fmt: skip
+        _print_configs(result["configs"], p["freeze_s"])
+    configs = result.get("configs", {})
     base = configs.get("fuse", {})
     if base.get("p99_itl_ms") and base.get("requests_per_s"):
         print("  vs the same FUSE root without latency (targets: slow fs p99 ITL "
@@ -269,6 +394,29 @@ def print_report(result: dict[str, Any]) -> None:
             )
             print(f"    {name:10} p99 ITL {p99:.2f}x  max ITL {top:.2f}x  "
                   f"throughput {tput:.2f}x")  # fmt: skip
+    if "light_configs" in result:
+        print(f"\nlight load: {p['light_num_prefixes']} prefixes of "
+              f"{p['prefix_len']} tokens, {p['light_num_prompts']} requests, "
+              f"concurrency {p['light_concurrency']}, arriving at "
+              f"{p['light_request_rate']:g} requests/s (Poisson)")  # fmt: skip
+        _print_configs(result["light_configs"], p["freeze_s"])
+    rows = result.get("comparison", [])
+    if rows:
+        print("\nper load, side by side: the slow root vs the same root without "
+              "latency (fuse) and vs no cache (in flight: mean requests in "
+              "flight; under the light load throughput follows the arrival "
+              "rate)")  # fmt: skip
+        heads = ("mean TTFT ms", "p99 ITL ms", "req/s", "in flight",
+                 "TTFT/fuse", "p99 ITL/fuse", "tput/fuse", "TTFT/none",
+                 "p99 ITL/none", "tput/none")  # fmt: skip
+        print(f"  {'load':6}{'config':10}" + "".join(f"{h:>13}" for h in heads))
+        for row in rows:
+            cells = [f"{row['mean_ttft_ms']:.0f}", f"{row['p99_itl_ms']:.0f}",
+                     f"{row['requests_per_s']:.3f}", f"{row['in_flight']:.2f}",
+                     *(_ratio(row, f"{k}_vs_{tag}") for tag in ("fuse", "no_cache")
+                       for k in ("mean_ttft", "p99_itl", "throughput"))]  # fmt: skip
+            print(f"  {row['load']:6}{row['config']:10}"
+                  + "".join(f"{c:>13}" for c in cells))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", help="run only these configurations (by name)"
     )
+    parser.add_argument(
+        "--load",
+        choices=("light", "heavy", "both"),
+        default="both",
+        help="heavy: concurrency 4, as fast as served (every configuration); "
+        "light: one request at a time at --light-rate (no cache, fuse, slow fs)",
+    )
+    parser.add_argument(
+        "--light-rate", type=float, metavar="R",
+        help="the light load's arrival rate (requests/s)",
+    )  # fmt: skip
     parser.add_argument(
         "--scenario",
         choices=("prefixes", "chats"),
@@ -291,12 +450,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer", action="store_true", help="chats: also vLLM's ExampleConnector"
     )
+    parser.add_argument(
+        "--root-latency-ms", type=float, nargs="+", metavar="L",
+        help="chats: rows with the root on a FUSE mount L ms away (and 0 ms)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--glusterfs", action="store_true",
+        help="chats: a row with the instances on one GlusterFS volume",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.scenario == "chats":
         return run_chats_script(args)
+    plan = QUICK if args.quick else Plan()
+    if args.light_rate:
+        plan = replace(plan, light_request_rate=args.light_rate)
+    loads = LOADS if args.load == "both" else (args.load,)
     with run_folder(args.workdir) as work:
-        plan = QUICK if args.quick else Plan()
-        result = run(replace(plan), work, args.only)
+        result = run(plan, work, args.only, loads)
         print_report(result)
     write_result(args.json, result)
     return 0
@@ -316,6 +486,10 @@ def run_chats_script(args: argparse.Namespace) -> int:
             forwarded += [flag, str(value)]
     if args.peer:
         forwarded.append("--peer")
+    if args.root_latency_ms:
+        forwarded += ["--root-latency-ms", *map(str, args.root_latency_ms)]
+    if args.glusterfs:
+        forwarded.append("--glusterfs")
     script = HERE / "serve_chats.py"
     return subprocess.run([sys.executable, str(script), *forwarded]).returncode
 

@@ -8,44 +8,75 @@ every later round lands on an instance that did not compute the round
 before, users concurrent, each next round sent as soon as the previous
 answer is in (as agents do) or after a think time.
 
-Per configuration (no cache, this cache and, with ``--peer``, vLLM's
-``ExampleConnector`` on one folder both instances share): the mean TTFT of
-first and later rounds, the share of the tokens the previous round computed
-(its prompt and answer, on the other instance) that the next round found
-cached (``prompt_tokens_details.cached_tokens``, local and external hits),
-and for the cache, updates submitted and skipped and backend restarts.
-Usage::
+Configurations, side by side in every run (a fresh root each run):
+
+- ``no cache``; ``vineyard`` (this cache on a local root); with ``--peer``
+  vLLM's ``ExampleConnector`` on one folder both instances share;
+- with ``--root-latency-ms L [L ...]``: ``vineyard, root L ms away`` per
+  value, the shared root on a FUSE mount (``slow_fs.py``) adding L ms to
+  every ``stat`` and ``open`` and to every ``fsync`` and first ``read`` of a
+  file, plus ``vineyard, root 0 ms away``: the same mount adding nothing
+  (the FUSE daemon's own cost). One mount per configuration and run, its
+  daemon moved off the instances' cores where a core is free (the header
+  says where it ran);
+- with ``--glusterfs``: ``vineyard, GlusterFS``, each instance on its own
+  client mount of one GlusterFS replica-2 volume (two bricks on this host;
+  ``tests/worker/vineyard_glusterfs_testing.py``) as its root, with a POD_NAME
+  of its own; the header gives the volume's measured round trip per ``stat``
+  and ``open``. Skipped, with the reason, where GlusterFS cannot be set up
+  (Debian's glusterfs-server and glusterfs-client, root, ``/dev/fuse``).
+
+Per configuration and run: the mean TTFT of first and later rounds, later
+rounds' ratio to no cache's, the share of the tokens the previous round
+computed (its prompt and answer, on the other instance) that the next round
+found cached (``previous_round_hit_share``, from vLLM's
+``prompt_tokens_details.cached_tokens``: local and external hits), whether
+every answer equals no cache's for the same (user, round) (greedy runs), and
+for this cache: updates submitted and skipped, the skipped share (skipped /
+(submitted + skipped)), backend restarts, cached tokens computed instead of
+loaded for slowness and loads stopped for slowness
+(``tokens_not_loaded_slow``, ``loads_stopped_slow``). Usage::
 
     python benchmarks/vineyard/serve_chats.py [--quick] [--json out.json]
-        [--runs N] [--think-s S] [--peer]
+        [--runs N] [--think-s S] [--peer] [--root-latency-ms 1 5]
+        [--glusterfs]
 
-(the same as ``benchmark_serve.py --scenario chats``).
+(the same as ``benchmark_serve.py --scenario chats``). ``--quick`` runs a
+small plan (2 users, 3 rounds, one run) with whichever rows are asked, e.g.
+``--quick --root-latency-ms 1`` for the FUSE rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository (tests.*)
+sys.path.insert(0, str(HERE))  # the harness
 from serve_harness import (  # noqa: E402
     Server,
     add_run_arguments,
     counter,
+    pin_off,
     run_folder,
     setup,
     write_result,
 )
+from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
 
 #: Common words: random text of about one token per word.
 _COMMON = """
@@ -59,6 +90,18 @@ south north home area life any place war book long around much best same
 left way four five off end line
 """
 WORDS = tuple(_COMMON.split())
+#: The cache's counters recorded per configuration
+#: (``vllm:vineyard_cache_<name>_total``, summed over the instances).
+CACHE_METRICS = (
+    "updates_submitted",
+    "updates_skipped",
+    "backend_restarts",
+    "tokens_not_loaded_slow",
+    "loads_stopped_slow",
+)
+GLUSTERFS = "vineyard, GlusterFS"
+#: Round trips timed per kind of call in the GlusterFS probe.
+PROBE_CALLS = 50
 
 
 @dataclass(frozen=True)
@@ -72,6 +115,10 @@ class ChatPlan:
     think_s: float = 0.0  # back to back, as agents do
     runs: int = 3
     peer: bool = False  # also vLLM's ExampleConnector on one shared folder
+    #: Per value a FUSE root that far away (ms per stat, open, fsync and
+    #: first read), and then one 0 ms away too.
+    root_latency_ms: tuple[float, ...] = ()
+    glusterfs: bool = False  # also a root on a GlusterFS volume
 
 
 QUICK_CHATS = ChatPlan(users=2, rounds=3, document_words=300, runs=1)
@@ -85,6 +132,35 @@ class Turn:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    answer: str = ""
+
+
+@dataclass
+class SharedVolume:
+    """A distributed filesystem's client mounts (one per instance, in turn)
+    and its measured round trips (ms)."""
+
+    mounts: tuple[Path, ...]
+    round_trip_ms: dict[str, float]
+    #: The cores its servers and clients were moved to (None: left as is).
+    cores: list[int] | None = None
+
+
+def far_name(latency_ms: float) -> str:
+    return f"vineyard, root {latency_ms:g} ms away"
+
+
+def far_latencies(plan: ChatPlan) -> list[float]:
+    """The far roots' latencies: those asked and, beside any, 0 ms."""
+    if not plan.root_latency_ms:
+        return []
+    return sorted({0.0, *plan.root_latency_ms})
+
+
+def instance_cores(plan: ChatPlan) -> set[int]:
+    """The cores the instances bind (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    cores = os.cpu_count() or 1
+    return {i % cores for i in range(plan.instances)}
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -135,6 +211,7 @@ def chat(plan: ChatPlan, urls: list[str], user: int, turns: list[Turn]) -> None:
                 int(usage.get("prompt_tokens", 0)),
                 int(details.get("cached_tokens") or 0),
                 int(usage.get("completion_tokens", 0)),
+                answer,
             )
         )
         time.sleep(plan.think_s)
@@ -158,14 +235,24 @@ def summarize(plan: ChatPlan, turns: list[Turn]) -> dict[str, Any]:
     }
 
 
+def skipped_share(result: dict[str, Any]) -> float:
+    """Updates skipped / (submitted + skipped); 0 when there were none."""
+    total = result["updates_submitted"] + result["updates_skipped"]
+    return result["updates_skipped"] / total if total else 0.0
+
+
 def run_config(
     plan: ChatPlan,
     name: str,
     model: str,
     work: Path,
-    env: dict[str, str],
+    env: dict[str, str] | list[dict[str, str]],
     extra_args: list[str],
 ) -> dict[str, Any]:
+    """One configuration: ``plan.instances`` servers (``env``: theirs, or
+    one per instance), every user's chat; the summary, the cache's counters
+    and the answers per (user, round) (``"answers"``)."""
+    envs = env if isinstance(env, list) else [env] * plan.instances
     args = ["--enable-prompt-tokens-details", *extra_args]
     # One core per instance where there are enough (their backends move to
     # the others': busy cores, as on a CPU-only server).
@@ -175,7 +262,7 @@ def run_config(
             f"{name}-{i}",
             model,
             work,
-            {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
+            {**envs[i], "VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
             args,
         )
         for i in range(plan.instances)
@@ -195,29 +282,167 @@ def run_config(
         for t in users:
             t.join()
         result = summarize(plan, turns)
-        if "VLLM_USE_VINEYARD_CACHE" in env:
-            for metric in ("updates_submitted", "updates_skipped", "backend_restarts"):
+        if "VLLM_USE_VINEYARD_CACHE" in envs[0]:
+            for metric in CACHE_METRICS:
                 result[metric] = sum(
                     counter(s.url, f"vllm:vineyard_cache_{metric}_total")
                     for s in servers
                 )
+            result["updates_skipped_share"] = skipped_share(result)
+        result["answers"] = {(t.user, t.round): t.answer for t in turns}
         return result
     finally:
         for server in servers:
             server.stop()
 
 
+def compare_to_no_cache(run: dict[str, dict[str, Any]]) -> None:
+    """Per configuration of a run: later rounds' ratio to no cache's and
+    whether every answer equals no cache's for the same (user, round)
+    (``None`` where no cache has none); the answers themselves are dropped
+    (they stay out of the JSON)."""
+    answers = {name: r.pop("answers") for name, r in run.items() if "answers" in r}
+    reference = answers.get("no cache")
+    base = run.get("no cache", {}).get("later_rounds_ttft_ms")
+    for name, r in run.items():
+        if "later_rounds_ttft_ms" in r and base:
+            r["later_rounds_vs_no_cache"] = r["later_rounds_ttft_ms"] / base
+        if name == "no cache" or name not in answers:
+            continue
+        if reference is None:
+            r["same_answers"] = None
+            continue
+        mine = answers[name]
+        differing = [k for k in reference.keys() | mine.keys()
+                     if mine.get(k) != reference.get(k)]  # fmt: skip
+        r["same_answers"] = not differing
+        r["answers_differing"] = len(differing)
+
+
+def probe_round_trips(
+    mounts: tuple[Path, ...], calls: int = PROBE_CALLS
+) -> dict[str, float]:
+    """What a ``stat`` and an ``open`` cost through a mount (ms): files one
+    client wrote, called through another (the last mount): the first
+    ``stat`` of each (new to that client), ``calls`` more of one, and
+    ``calls`` ``open`` + ``close``."""
+    folder = f"probe-{os.getpid()}"
+    (mounts[0] / folder).mkdir()
+    try:
+        for k in range(calls):
+            (mounts[0] / folder / f"f{k}").write_bytes(b"x")
+        there = mounts[-1] / folder
+
+        def per_call_ms(call: Callable[[int], object]) -> float:
+            start = time.perf_counter()
+            for k in range(calls):
+                call(k)
+            return 1e3 * (time.perf_counter() - start) / calls
+
+        return {
+            "stat_new_ms": per_call_ms(lambda k: os.stat(there / f"f{k}")),
+            "stat_ms": per_call_ms(lambda k: os.stat(there / "f0")),
+            "open_close_ms": per_call_ms(
+                lambda k: os.close(os.open(there / "f0", os.O_RDONLY))
+            ),
+        }
+    finally:
+        for k in range(calls):
+            (mounts[0] / folder / f"f{k}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (mounts[0] / folder).rmdir()
+
+
+@contextlib.contextmanager
+def glusterfs_roots(base: Path, busy: set[int]) -> Iterator[SharedVolume | str]:
+    """A fresh GlusterFS replica-2 volume on two local bricks, mounted twice
+    under ``base`` (two clients, as two hosts), its servers and clients
+    moved off the ``busy`` cores where a core is free; or why it cannot be
+    set up here."""
+    # The tests' helper, which reports what is missing as a pytest skip.
+    import pytest
+
+    from tests.worker.vineyard_glusterfs_testing import glusterfs_volume
+
+    with contextlib.ExitStack() as stack:
+        try:
+            volume = stack.enter_context(glusterfs_volume(base))
+            pids = [pid for pid in volume.brick_pids() if pid]
+            for mount in volume.mounts:
+                found = subprocess.run(
+                    ["pgrep", "-f", f"glusterfs.*{mount}$"],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                pids += [int(pid) for pid in found.stdout.split()]
+            cores = pin_off(pids, busy)
+            shared: SharedVolume | str = SharedVolume(
+                volume.mounts, probe_round_trips(volume.mounts), cores
+            )
+        except (pytest.skip.Exception, Exception) as e:  # noqa: BLE001
+            why = str(e).strip() or type(e).__name__
+            shared = f"GlusterFS cannot be set up here: {why}"
+        yield shared
+
+
+#: A configuration: the instances' environments (one each), the servers'
+#: arguments, and facts to record with its result.
+Config = tuple[list[dict[str, str]], list[str], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def _as_is(
+    plan: ChatPlan, env: dict[str, str], args: list[str] | None = None
+) -> Iterator[Config]:
+    yield [env] * plan.instances, args or [], {}
+
+
+@contextlib.contextmanager
+def _far_root(
+    plan: ChatPlan, folder: Path, latency_ms: float,
+    cache_env: Callable[[Path], dict[str, str]],
+) -> Iterator[Config]:  # fmt: skip
+    """The cache root on a FUSE mount of its own, ``latency_ms`` away."""
+    fs = SlowFs(folder, latency_ms=latency_ms, io_latency_ms=latency_ms)
+    try:
+        pin_off([fs.proc.pid], instance_cores(plan))
+        facts = {"latency_ms": latency_ms, "stat_ms": fs.stat_latency_ms()}
+        yield [cache_env(fs.mount / "root")] * plan.instances, [], facts
+    finally:
+        fs.close()
+
+
+@contextlib.contextmanager
+def _shared_volume(
+    plan: ChatPlan, volume: SharedVolume, run: int,
+    cache_env: Callable[[Path], dict[str, str]],
+) -> Iterator[Config]:  # fmt: skip
+    """One folder of the volume, each instance through its own client
+    mount, with a POD_NAME of its own (writers of one root need one)."""
+    envs = [
+        {
+            **cache_env(volume.mounts[k % len(volume.mounts)] / f"root-{run}"),
+            "POD_NAME": f"chats-{run}-instance-{k}",
+        }
+        for k in range(plan.instances)
+    ]
+    yield envs, [], {}
+
+
 def run_chats(
     plan: ChatPlan, work: Path, model: str, base_env: dict[str, str],
-    cache_env: Any,
+    cache_env: Callable[[Path], dict[str, str]],
+    glusterfs: SharedVolume | str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every configuration, ``plan.runs`` times (a fresh root each run)."""
+    """Every configuration, ``plan.runs`` times (a fresh root each run).
+    ``glusterfs``: the volume of the GlusterFS row, or why there is none."""
     runs: list[dict[str, Any]] = []
+    no_fuse = fuse_unavailable() if plan.root_latency_ms else None
     for i in range(plan.runs):
         run: dict[str, Any] = {}
-        configs: list[tuple[str, dict[str, str], list[str]]] = [
-            ("no cache", base_env, []),
-            ("vineyard", cache_env(work / f"root-{i}"), []),
+        configs: list[tuple[str, contextlib.AbstractContextManager[Config] | str]]
+        configs = [
+            ("no cache", _as_is(plan, base_env)),
+            ("vineyard", _as_is(plan, cache_env(work / f"root-{i}"))),
         ]
         if plan.peer:
             peer = json.dumps({
@@ -226,14 +451,29 @@ def run_chats(
                     "shared_storage_path": str(work / f"peer-{i}")},
             })  # fmt: skip
             configs.append(
-                ("ExampleConnector", base_env, ["--kv-transfer-config", peer])
+                ("ExampleConnector",
+                 _as_is(plan, base_env, ["--kv-transfer-config", peer]))
+            )  # fmt: skip
+        for ms in far_latencies(plan):
+            far = _far_root(plan, work / f"far-{ms:g}ms-{i}", ms, cache_env)
+            configs.append(
+                (far_name(ms), f"no FUSE here: {no_fuse}" if no_fuse else far)
             )
-        for name, env, args in configs:
+        if isinstance(glusterfs, str):
+            configs.append((GLUSTERFS, glusterfs))
+        elif glusterfs is not None:
+            configs.append((GLUSTERFS, _shared_volume(plan, glusterfs, i, cache_env)))
+        for name, config in configs:
             print(f"  run {i + 1}: {name} ...", end="", flush=True)
+            if isinstance(config, str):
+                print(f" skipped: {config}", flush=True)
+                run[name] = {"skipped": config}
+                continue
+            label = f"{name.replace(' ', '-').replace(',', '')}-{i}"
             try:
-                run[name] = run_config(
-                    plan, f"{name.replace(' ', '-')}-{i}", model, work, env, args
-                )
+                with config as (envs, args, facts):
+                    measured = run_config(plan, label, model, work, envs, args)
+                    run[name] = {**measured, **facts}
             except Exception as e:  # noqa: BLE001 - the peer's engine can crash
                 print(f" failed: {e}", flush=True)
                 run[name] = {"failed": str(e)[-300:]}
@@ -241,8 +481,101 @@ def run_chats(
             print(
                 f" later rounds {run[name]['later_rounds_ttft_ms']:.0f} ms", flush=True
             )
+        compare_to_no_cache(run)
         runs.append(run)
-    return {"plan": asdict(plan), "runs": runs}
+    result: dict[str, Any] = {"plan": asdict(plan), "runs": runs}
+    result["instance_cores"] = sorted(instance_cores(plan))
+    if plan.root_latency_ms:
+        cores = None if no_fuse else pin_off([], instance_cores(plan))
+        result["fuse_daemon_cores"] = cores
+    if isinstance(glusterfs, SharedVolume):
+        result["glusterfs"] = {
+            "round_trip_ms": glusterfs.round_trip_ms,
+            "cores": glusterfs.cores,
+        }
+    elif glusterfs is not None:
+        result["glusterfs"] = {"skipped": glusterfs}
+    return result
+
+
+#: The table's columns: (JSON key, header, format).
+COLUMNS = (
+    ("first_round_ttft_ms", "first ms", "{:.0f}"),
+    ("later_rounds_ttft_ms", "later ms", "{:.0f}"),
+    ("later_rounds_vs_no_cache", "ratio", "{:.2f}x"),
+    ("previous_round_hit_share", "prev hit", "{:.2f}"),
+    ("updates_submitted", "submitted", "{:.0f}"),
+    ("updates_skipped", "skipped", "{:.0f}"),
+    ("updates_skipped_share", "skip share", "{:.2f}"),
+    ("backend_restarts", "restarts", "{:.0f}"),
+    ("tokens_not_loaded_slow", "slow tokens", "{:.0f}"),
+    ("loads_stopped_slow", "slow stops", "{:.0f}"),
+    ("same_answers", "answers", "{}"),
+)
+
+
+def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
+    if key not in r:
+        return "-"
+    value = r[key]
+    if key == "same_answers":
+        if value is None:  # no cache has no answers to compare with
+            return "?"
+        return "same" if value else f"{r['answers_differing']} differ"
+    return str(fmt.format(value))
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    """What the rows beyond no cache and the local root ran on."""
+    p, lines = result["plan"], []
+    if p.get("root_latency_ms"):
+        lines.append(
+            "root L ms away: the root on a FUSE mount (slow_fs.py) adding L ms to "
+            "every stat and open and to every fsync and first read of a file; "
+            "0 ms: the same mount adding nothing (the FUSE daemon's own cost)"
+        )
+        busy = ", ".join(map(str, result["instance_cores"]))
+        cores = result.get("fuse_daemon_cores")
+        if cores:
+            where = ", ".join(map(str, cores))
+            lines.append(f"FUSE daemon on cores {where}, off the instances' ({busy})")
+        else:
+            lines.append(
+                f"FUSE daemon NOT moved off the instances' cores ({busy}): no other "
+                f"core on this {os.cpu_count()}-core machine, it competes with them"
+            )
+        stats: dict[float, list[float]] = {}
+        for run in result["runs"]:
+            for r in run.values():
+                if "stat_ms" in r:
+                    stats.setdefault(r["latency_ms"], []).append(r["stat_ms"])
+        if stats:
+            measured = ", ".join(
+                f"{ms:g} ms away: {statistics.mean(v):.1f} ms"
+                for ms, v in sorted(stats.items())
+            )
+            lines.append(f"a stat through the mount (lookup + getattr): {measured}")
+    g = result.get("glusterfs")
+    if g and "skipped" in g:
+        lines.append(f"GlusterFS row skipped: {g['skipped']}")
+    elif g:
+        rt = g["round_trip_ms"]
+        where = (
+            f"moved to cores {', '.join(map(str, g['cores']))}"
+            if g.get("cores")
+            else "on the instances' cores (none free)"
+        )
+        lines.append(
+            "GlusterFS: a replica-2 volume, two bricks on this host, each "
+            "instance on its own client mount with a POD_NAME of its own; its "
+            f"servers and clients {where}"
+        )
+        lines.append(
+            f"GlusterFS round trip through a client ({PROBE_CALLS} calls each): "
+            f"stat {rt['stat_ms']:.3f} ms (of a file new to the client "
+            f"{rt['stat_new_ms']:.3f} ms), open+close {rt['open_close_ms']:.3f} ms"
+        )
+    return lines
 
 
 def print_chats(result: dict[str, Any]) -> None:
@@ -252,19 +585,27 @@ def print_chats(result: dict[str, Any]) -> None:
         f"{p['rounds']} rounds round-robin, a {p['document_words']}-word "
         f"document each, think time {p['think_s']:g} s"
     )
-    cols = ("first_round_ttft_ms", "later_rounds_ttft_ms",
-            "previous_round_hit_share", "updates_submitted", "updates_skipped",
-            "backend_restarts")  # fmt: skip
-    print(f"  {'run / config':22}" + "".join(f"{c:>26}" for c in cols) + "  ratio")
-    for i, run in enumerate(result["runs"]):
-        base = run["no cache"]["later_rounds_ttft_ms"]
+    for line in _header(result):
+        print(f"  {line}")
+    print(
+        "  (first / later ms: mean TTFT of the first / later rounds; ratio: later "
+        "rounds vs no cache's; prev hit: previous_round_hit_share; submitted, "
+        "skipped, skip share: updates; slow tokens / stops: tokens_not_loaded_slow"
+        " / loads_stopped_slow; answers: vs no cache's per (user, round))"
+    )
+    runs = result["runs"]
+    labels = [f"{i + 1}: {name}" for i, run in enumerate(runs) for name in run]
+    width = max([22, *map(len, labels)])
+    print(f"  {'run / config':{width}}" + "".join(f"{h:>12}" for _, h, _ in COLUMNS))
+    for i, run in enumerate(runs):
         for name, r in run.items():
-            if "failed" in r:
-                print(f"  {f'{i + 1}: {name}':22} failed: {r['failed'][-120:]}")
+            label = f"{i + 1}: {name}"
+            if "failed" in r or "skipped" in r:
+                kind = "failed" if "failed" in r else "skipped"
+                print(f"  {label:{width}} {kind}: {r[kind][-160:]}")
                 continue
-            row = "".join(f"{r[c]:26.2f}" if c in r else f"{'-':>26}" for c in cols)
-            ratio = r["later_rounds_ttft_ms"] / base if base else 0.0
-            print(f"  {f'{i + 1}: {name}':22}{row}  {ratio:.2f}x")
+            row = "".join(f"{_cell(r, key, fmt):>12}" for key, _, fmt in COLUMNS)
+            print(f"  {label:{width}}{row}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,16 +616,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer", action="store_true", help="also vLLM's ExampleConnector"
     )
+    parser.add_argument(
+        "--root-latency-ms", type=float, nargs="+", metavar="L", default=[],
+        help="per value a row with the root on a FUSE mount L ms away (stat, "
+        "open, fsync, first read), and one 0 ms away beside them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--glusterfs", action="store_true",
+        help="also a row with each instance on its own client mount of one "
+        "GlusterFS volume",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     chats = QUICK_CHATS if args.quick else ChatPlan()
     if args.runs:
         chats = replace(chats, runs=args.runs)
     if args.think_s is not None:
         chats = replace(chats, think_s=args.think_s)
-    chats = replace(chats, peer=args.peer)
-    with run_folder(args.workdir) as work:
+    chats = replace(
+        chats, peer=args.peer, root_latency_ms=tuple(args.root_latency_ms),
+        glusterfs=args.glusterfs,
+    )  # fmt: skip
+    with run_folder(args.workdir) as work, contextlib.ExitStack() as stack:
+        glusterfs = None
+        if chats.glusterfs:
+            print("  GlusterFS volume ...", end="", flush=True)
+            glusterfs = stack.enter_context(
+                glusterfs_roots(work / "glusterfs", instance_cores(chats))
+            )
+            print(" skipped" if isinstance(glusterfs, str) else " mounted", flush=True)
         model, base_env, cache_env = setup()
-        result = run_chats(chats, work, model, base_env, cache_env)
+        result = run_chats(chats, work, model, base_env, cache_env, glusterfs)
         print_chats(result)
     write_result(args.json, result)
     return 0

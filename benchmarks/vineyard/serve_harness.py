@@ -135,6 +135,22 @@ def setup(
     return model, base_env, cache_env
 
 
+def pin_off(pids: list[int], busy: set[int]) -> list[int] | None:
+    """Move every thread of these processes to the cores this process may
+    use that are not in ``busy`` (e.g. a FUSE daemon off the cores the
+    instances bind): the cores they now run on, or ``None`` where no core is
+    free (they are left as they are)."""
+    free = os.sched_getaffinity(0) - busy
+    if not free:
+        return None
+    for pid in pids:
+        with contextlib.suppress(OSError):  # threads come and go
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), free)
+    return sorted(free)
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quick``, ``--json`` and ``--workdir``, as every scenario takes
     them."""

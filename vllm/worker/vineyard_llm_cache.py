@@ -478,7 +478,10 @@ def _check_shapes(
     kv_caches: Sequence[torch.Tensor],
 ) -> None:
     """Refuse a layout that disagrees with the config or the KV tensors."""
-    if config.chunk_tokens(layout.block_size) != layout.chunk_size:
+    if (
+        config.chunk_size
+        and config.chunk_tokens(layout.block_size) != layout.chunk_size
+    ):
         raise ValueError(
             f"layout chunk of {layout.chunk_size} tokens, but "
             f"{config.setting('chunk_size')}={config.chunk_size}"

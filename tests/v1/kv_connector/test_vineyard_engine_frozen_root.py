@@ -24,6 +24,7 @@ import pytest
 
 from tests.script_testing import ROOT, mount_slow_fs
 from tests.vineyard_engine_testing import (
+    CHUNK_SIZE,
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,
@@ -72,6 +73,8 @@ def run(
         extra={
             "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": str(LOOKUP_TIMEOUT_S),
             "VINEYARD_CACHE_BACKEND_TIMEOUT_S": "5",
+            # One block per chunk, whatever the FUSE root's round trip.
+            "VINEYARD_CACHE_CHUNK_SIZE": str(CHUNK_SIZE),
         },
     )
     rounds: list[dict[str, Any]] = [

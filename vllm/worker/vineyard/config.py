@@ -156,7 +156,9 @@ class VineyardLLMCacheConfig:
     chunk_size: int = _setting(
         "0",
         "Tokens per cached chunk (the unit of lookup and write, one file "
-        "each); 0: one KV block, so hits and saves are exact to the block.",
+        "each); 0: chosen from the root's measured round trip and recorded in "
+        "the root for every instance: one KV block on a local disk (hits and "
+        "saves exact to the block), up to 8 on a root a network away.",
         _CHUNK_SIZE,
     )
     cpu_mem_limit_gb: float = _setting(

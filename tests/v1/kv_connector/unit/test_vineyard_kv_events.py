@@ -195,7 +195,9 @@ def test_a_reset_on_a_hung_root_returns_at_once_and_says_so_later(
     fs = mount_slow_fs(tmp_path / "fs")
     try:
         model = make_model_dir(tmp_path / "model")
-        config = create_vllm_config(model, fs.mount / "root", backend_timeout_s=1.0)
+        config = create_vllm_config(
+            model, fs.mount / "root", chunk_size=BLOCK_SIZE, backend_timeout_s=1.0
+        )
         worker = FakeWorker(config)
         engine = Engine(create_scheduler(config), worker)
         try:

@@ -46,6 +46,7 @@ def test_an_unreadable_chunk_is_not_promised_until_it_changes(tmp_path: Path) ->
         config = create_vllm_config(
             make_model_dir(tmp_path / "model"),
             fs.mount / "root",
+            chunk_size=BLOCK_SIZE,  # whatever the FUSE root's round trip
             enable_prefix_caching=False,
         )
         worker = FakeWorker(config)

@@ -119,14 +119,16 @@ def read_manifest(namespace_dir: str) -> KVCacheLayout | None:
 
 def is_chunk_file(path: str) -> bool:
     """Whether ``path`` is one of the cache's chunk files, as a scan of its
-    root tells them: at ``root/namespace/aa/bb/cc/dd``, a regular file (not
-    a link) shaped as its namespace's manifest says, or without one as its
-    own header says."""
+    root tells them: at ``root/namespace/aabbccdd`` (or, in a namespace of
+    nested folders, ``root/namespace/aa/bb/cc/dd``), a regular file (not a
+    link) shaped as its namespace's manifest says, or without one as its own
+    header says."""
     parts = os.path.normpath(path).split(os.sep)
-    if len(parts) < 6 or parse_namespace_name(parts[-5]) is None:
-        return False
-    root = os.sep.join(parts[:-5]) or os.sep
-    return os.path.normpath(path) in scanned_chunks(root)
+    for depth in (2, 5):  # flat, nested
+        if len(parts) > depth and parse_namespace_name(parts[-depth]) is not None:
+            root = os.sep.join(parts[:-depth]) or os.sep
+            return os.path.normpath(path) in scanned_chunks(root)
+    return False
 
 
 def scanned_chunks(root: str) -> set[str]:

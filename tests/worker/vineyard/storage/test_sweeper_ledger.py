@@ -32,7 +32,11 @@ from tests.worker.vineyard.storage.sweeper_testing import (
 from tests.worker.vineyard_disk_testing import chunk_files, tmpfs
 from vllm.worker.vineyard.storage import sweeper as sweeper_module
 from vllm.worker.vineyard.storage import usage
-from vllm.worker.vineyard.storage.root_files import ROOT_FILES, USAGE_LEDGER
+from vllm.worker.vineyard.storage.root_files import (
+    ROOT_FILES,
+    SWEEPER_FILES,
+    USAGE_LEDGER,
+)
 from vllm.worker.vineyard.storage.scan import scan_root
 from vllm.worker.vineyard.storage.sweep_passes import TEMP_MAX_AGE_S
 from vllm.worker.vineyard.storage.sweeper import RootSweeper
@@ -294,5 +298,5 @@ def test_planted_sweeper_files_are_never_followed(
     s = RootSweeper(str(own), 1, ttl_s=1.0, interval_s=3600.0)
     assert s.sweep(time.time() + 10 * TEMP_MAX_AGE_S)
     assert s.make_room([2]) == 0 and s.run_requested_pass()
-    assert all((own / f).is_file() for f in ROOT_FILES)
+    assert all((own / f).is_file() for f in SWEEPER_FILES)
     assert scan_root(str(own)).foreign == []

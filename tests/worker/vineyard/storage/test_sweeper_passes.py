@@ -40,7 +40,7 @@ from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.eviction import HIGH_WATER, LOW_WATER
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import MANIFEST, TEMP_DIR, write_manifest
-from vllm.worker.vineyard.storage.root_files import ROOT_FILES
+from vllm.worker.vineyard.storage.root_files import SWEEPER_FILES
 from vllm.worker.vineyard.storage.sweep_passes import (
     EMPTY_DIR_MIN_AGE_S,
     TEMP_MAX_AGE_S,
@@ -169,7 +169,7 @@ def test_empty_directories(tmp_path: Path) -> None:
     # Everything gone and old: the root stays (the writers' mkdir target).
     chunk.unlink()
     s.sweep(now + 10 * TEMP_MAX_AGE_S)
-    assert tmp_path.is_dir() and sorted(os.listdir(tmp_path)) == sorted(ROOT_FILES)
+    assert tmp_path.is_dir() and sorted(os.listdir(tmp_path)) == sorted(SWEEPER_FILES)
 
 
 def test_two_sweepers_at_once_keep_live_data(tmp_path: Path) -> None:

@@ -76,6 +76,7 @@ class BackendSpec:
     # abandoned when the root hangs; no vineyard, no buffers.
     role: str = "cache"
     lookup_namespace_dirs: tuple[str, ...] = ()
+    flat_paths: bool = True  # see ChunkFiles
 
     @property
     def buffer_bytes(self) -> int:

@@ -56,7 +56,9 @@ class _LookupServer:
 
     def __init__(self, spec: BackendSpec):
         self._rank_files = [
-            ChunkFiles(namespace_dir, spec.blocks_per_chunk, spec.entry_bytes)
+            ChunkFiles(
+                namespace_dir, spec.blocks_per_chunk, spec.entry_bytes, spec.flat_paths
+            )
             for namespace_dir in spec.lookup_namespace_dirs
         ]
         self._log = LogLimiter(logger)

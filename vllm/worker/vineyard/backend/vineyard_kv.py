@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from vllm.worker.vineyard.backend.protocol import BackendSpec
+from vllm.worker.vineyard.storage.chunks import HASH_DIGITS
 
 YEAR_S = 365 * 24 * 3600
 
@@ -69,6 +70,7 @@ def open_kv_cache(
     # the process that wrote, so it is switched off.
     config = llm.FileCacheConfig(
         chunk_size=spec.blocks_per_chunk,
+        hash_chunk_size=HASH_DIGITS if spec.flat_paths else 2,
         root=spec.namespace_dir,
         gc_interval=YEAR_S,
         ttl=10 * YEAR_S,

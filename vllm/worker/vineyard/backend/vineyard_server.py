@@ -104,7 +104,7 @@ class VineyardServer:
             [memoryview(row) for row in buffer] for buffer in self._entries
         ]  # fmt: skip
         self._files = ChunkFiles(
-            spec.namespace_dir, spec.blocks_per_chunk, spec.entry_bytes
+            spec.namespace_dir, spec.blocks_per_chunk, spec.entry_bytes, spec.flat_paths
         )
         self._sealer = Sealer(
             load_auth_key(spec.settings.auth_key_file),

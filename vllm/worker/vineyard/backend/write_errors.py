@@ -102,8 +102,9 @@ def release_failed_temp_files(temp_dir: str) -> int:
     return released
 
 
-#: A chunk's path below the root: 8 hex digits in folders of 2.
-_CHUNK_PATH = r"[0-9a-f]{2}(?:/[0-9a-f]{2}){3}"
+#: A chunk's path below its namespace: 8 hex digits, flat or in folders
+#: of 2.
+_CHUNK_PATH = r"[0-9a-f]{2}(?:/?[0-9a-f]{2}){3}"
 
 
 def _temp_file_pattern(pid: int, pod_name: str | None) -> re.Pattern[str]:

@@ -146,7 +146,8 @@ class ChunkChecker:
             )
         if n % bpc:
             return f"its header holds {n} ids, not whole chunks of {bpc} blocks"
-        if ChunkFiles(self.ns_dir, bpc, entry_bytes).path(ids) != path:
+        flat = os.sep not in os.path.relpath(path, self.ns_dir)
+        if ChunkFiles(self.ns_dir, bpc, entry_bytes, flat).path(ids) != path:
             return "its path is not the hash of its header's ids (misplaced)"
         return self._check_entries(f, ids[n - bpc :], entry_bytes)
 

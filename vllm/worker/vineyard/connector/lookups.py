@@ -132,6 +132,7 @@ class VineyardCacheLookup:
             num_buffers=0,
             role="lookup",
             lookup_namespace_dirs=tuple(f.namespace_dir for f in self._files),
+            flat_paths=files.flat,
         )
         process = BackendProcess(
             "lookup", spec, None, self.config.backend_timeout_s, exit_wait_s=0.1

@@ -149,6 +149,8 @@ class VineyardConnectorScheduler:
             assert isinstance(handshake, VineyardHandshake)
             layouts.append(handshake.layout)
         self._namespaces = [layout.namespace for layout in layouts]
+        # The workers' (chosen from the root's round trip when none is set).
+        self.chunk_size = layouts[0].chunk_size
         self._remembered = RememberedCosts(
             os.path.join(envs.VLLM_CACHE_ROOT, "vineyard_cache", "load_costs.json"),
             f"{os.path.realpath(self.config.root)}|{self._namespaces[0]}",

@@ -118,7 +118,7 @@ class VineyardConnector(KVConnectorBase_V1):
         else:
             self._worker = VineyardConnectorWorker(
                 self.config,
-                layout_for(vllm_config, self._group, self.chunk_size, self._key_id),
+                layout_for(vllm_config, self.config, self._group, self._key_id),
                 vllm_config.scheduler_config.max_num_batched_tokens,
                 kv_cache_config.num_blocks,
             )

@@ -34,7 +34,10 @@ from vllm.worker.vineyard.connector.metadata import (
 )
 from vllm.worker.vineyard.connector.weight_identity import model_identity
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
+from vllm.worker.vineyard.storage.chunking import blocks_per_chunk_of
+from vllm.worker.vineyard.storage.file_modes import file_modes
 from vllm.worker.vineyard.storage.layout import KVCacheLayout, overrides_text
+from vllm.worker.vineyard.storage.root import check_root
 from vllm.worker.vineyard.storage.weights import WeightsUnidentified
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache
@@ -59,18 +62,31 @@ class _WorkerRequest:
 
 def layout_for(
     vllm_config: VllmConfig,
+    config: VineyardLLMCacheConfig,
     group: KVCacheGroupSpec | None,
-    chunk_size: int,
     key_id: str,
 ) -> LayoutOf:
     """How this engine's workers name the layout of their KV (and so its
     namespace), once they know the tensor's dtype and kernel layout and
-    their TP rank. Raises :class:`WeightsUnidentified`."""
+    their TP rank. The chunk size is the setting's, or (none set) the one
+    recorded in the root for its round trip (:mod:`~vllm.worker.vineyard.
+    storage.chunking`). Raises :class:`WeightsUnidentified`, and
+    :class:`BackendError` when the root cannot be reached."""
 
     def layout(
         dtype: torch.dtype, kv_layout: str, tp_size: int, tp_rank: int
     ) -> KVCacheLayout:
         assert group is not None
+        block_size = group.kv_cache_spec.block_size
+        if config.chunk_size:
+            chunk_size = config.chunk_tokens(block_size)
+        else:
+            modes = file_modes(config.group_access)
+            try:
+                root = check_root(config.root, modes, config.setting("root"))
+                chunk_size = block_size * blocks_per_chunk_of(root, modes)
+            except OSError as e:
+                raise BackendError(f"cannot reach the cache root: {e}") from e
         model_config = vllm_config.model_config
         model = model_config.model
         if model_config.revision:
@@ -83,7 +99,7 @@ def layout_for(
             num_layers=len(group.layer_names),
             num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
             head_size=model_config.get_head_size(),
-            block_size=group.kv_cache_spec.block_size,
+            block_size=block_size,
             block_bytes=group.kv_cache_spec.page_size_bytes,
             kv_layout=kv_layout,
             chunk_size=chunk_size,
@@ -145,6 +161,10 @@ class VineyardConnectorWorker:
                 e,
             )
             self._metrics.add("unidentified_weights")
+            return
+        except BackendError as e:
+            logger.error("vineyard cache unavailable, serving without it: %s", e)
+            self._metrics.add("backend_start_failures")
             return
         try:
             self.cache = VineyardLLMCache(

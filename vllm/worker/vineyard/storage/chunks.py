@@ -108,6 +108,11 @@ class ChunkShape:
 # --------------------------------------------------------------------------
 
 
+#: Hex digits of a chunk's path (a 32-bit hash): vineyard's
+#: ``hash_chunk_size`` for flat namespaces (one path component).
+HASH_DIGITS = 8
+
+
 class ChunkFiles:
     """The chunk files of one namespace directory, as vineyard names them.
 
@@ -115,10 +120,21 @@ class ChunkFiles:
     an int32 count ``n``, the ``n`` ids of the prefix up to the chunk's end,
     then the chunk's entries (K and V halves each)."""
 
-    def __init__(self, namespace_dir: str, blocks_per_chunk: int, entry_bytes: int):
+    def __init__(
+        self,
+        namespace_dir: str,
+        blocks_per_chunk: int,
+        entry_bytes: int,
+        flat: bool = True,
+    ):
         self.namespace_dir = namespace_dir
         self.blocks_per_chunk = blocks_per_chunk
         self.entry_bytes = entry_bytes
+        # Flat: every chunk file right in the namespace's folder (no
+        # directory to make per chunk: a write costs a third of the round
+        # trips of a far root); else in folders of 2 hex digits, 4 deep.
+        self.flat = flat
+        self.hash_chunk_size = HASH_DIGITS if flat else 2
 
     def path(self, ids: Sequence[int]) -> str:
         """The file of the chunk that ends at the end of ``ids``."""
@@ -126,7 +142,9 @@ class ChunkFiles:
 
     def _path(self, header_ids: bytes) -> str:
         h = mmh3.hash(header_ids, 0, signed=False)
-        name = f"{h:08x}"
+        name = f"{h:0{HASH_DIGITS}x}"
+        if self.flat:
+            return os.path.join(self.namespace_dir, name)
         return os.path.join(
             self.namespace_dir, name[0:2], name[2:4], name[4:6], name[6:8]
         )

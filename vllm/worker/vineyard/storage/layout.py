@@ -46,6 +46,7 @@ class KVCacheLayout:
     kv_cache_dtype: str = "auto"
     weights: str = ""
     hf_overrides: str = ""
+    flat_paths: bool = True  # chunk files right in the namespace's folder
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.block_size:
@@ -90,6 +91,7 @@ class KVCacheLayout:
             os.path.join(cache_root, self.namespace),
             self.blocks_per_chunk,
             self.entry_bytes,
+            self.flat_paths,
         )
 
 

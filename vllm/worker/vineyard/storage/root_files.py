@@ -36,7 +36,11 @@ SWEEP_LOCK = "__sweep.lock"
 USAGE_LEDGER = "__sweep.ledger"
 ROOT_SETTINGS = "__settings.json"
 CLOCK_PROBE = "__sweep.clock"
-ROOT_FILES = (SWEEP_LOCK, USAGE_LEDGER, ROOT_SETTINGS, CLOCK_PROBE)
+#: The files every sweep makes or keeps up.
+SWEEPER_FILES = (SWEEP_LOCK, USAGE_LEDGER, ROOT_SETTINGS, CLOCK_PROBE)
+#: The blocks per chunk of instances that set no chunk size (``chunking``).
+CHUNKING = "__chunking.json"
+ROOT_FILES = (*SWEEPER_FILES, CHUNKING)
 #: Largest settings file read (a real one is well under 1 KiB).
 MAX_SETTINGS_BYTES = 1 << 16
 

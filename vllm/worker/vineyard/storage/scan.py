@@ -44,6 +44,7 @@ from vllm.worker.vineyard.storage.safe_io import (
 )
 
 _HEX2 = re.compile(r"[0-9a-f]{2}")
+_HEX8 = re.compile(r"[0-9a-f]{8}")  # a flat namespace's chunk file
 
 
 def _shape(name: NamespaceName, manifest: Manifest | None) -> ChunkShape:
@@ -317,7 +318,9 @@ class _Scanner:
             return True
         elif zone == "ns" and name == MANIFEST:
             ns.manifest_file = path
-        elif zone == "chunks" and frame.level == 3 and _HEX2.fullmatch(name):
+        elif (zone == "chunks" and frame.level == 3 and _HEX2.fullmatch(name)) or (
+            zone == "ns" and _HEX8.fullmatch(name)
+        ):
             if st.st_size == 0:  # vineyard's placeholder before a rename
                 self._leftover(path, ns, "placeholder", st)
                 return True

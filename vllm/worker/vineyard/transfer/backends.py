@@ -112,6 +112,7 @@ def _spec(
         num_buffers=memory.count,
         sweep=writer,
         cache_root=cache_root,
+        flat_paths=layout.flat_paths,
     )
 
 
