@@ -7,11 +7,11 @@ and the decision between them (:class:`LoadCosts`).
   loads (wall time: the link, the round trips per chunk file, the readers'
   queue), the median of the last :data:`LOAD_SAMPLES`, so a root a network
   away is priced as it is now, and a change shows within a few loads.
-- Computing (per engine): the engine's recent steps (from a step's
-  scheduling to its output), as ``seconds = overhead + per_token *
-  tokens`` (exponentially weighted least squares), at its current load:
-  computing a hit takes its tokens at ``per_token`` and one step's
-  overhead per step of them.
+- Computing (per engine): the seconds per token of the engine's recent
+  steps (from a step's scheduling to its output), weighted by their tokens,
+  at its current load. A step's fixed costs make this price a little high
+  for small steps: a hit is then loaded a little more often, and a load
+  that turns out slow stops itself.
 
 A hit is promised only when loading it is expected to finish sooner than
 computing it, by :data:`MARGIN`; otherwise it is computed (counted
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 #: Loading must be expected to take at most 1/MARGIN of computing.
 MARGIN = 1.25
 #: A root found too slow gets one load (a probe) at most this often.
-PROBE_INTERVAL_S = 10.0
+PROBE_INTERVAL_S = 5.0
 #: Loads whose median prices a block (a change shows within half of them).
 LOAD_SAMPLES = 5
 #: Weight of the newest step in the price of a token (a few steps dominate).
@@ -58,34 +58,20 @@ MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclass
-class _WeightedFit:
-    """``y = a + b * x`` by exponentially weighted least squares."""
+class _StepTimes:
+    """Recent steps' tokens and seconds, exponentially weighted: their
+    seconds per token, weighted by tokens (large steps count most)."""
 
-    w: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, tokens: int, seconds: float) -> None:
         keep = 1.0 - NEW_STEP_WEIGHT
-        self.w = keep * self.w + 1.0
-        self.x = keep * self.x + x
-        self.y = keep * self.y + y
-        self.xx = keep * self.xx + x * x
-        self.xy = keep * self.xy + x * y
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
 
-    def line(self) -> tuple[float, float] | None:
-        """``(a, b)``, both >= 0; ``None`` before any sample."""
-        if self.w == 0.0 or self.x <= 0.0:
-            return None
-        det = self.w * self.xx - self.x * self.x
-        if det > 1e-6 * self.w * self.xx:
-            b = (self.w * self.xy - self.x * self.y) / det
-            a = (self.y - b * self.x) / self.w
-            if a >= 0.0 and b > 0.0:
-                return a, b
-        return 0.0, self.y / self.x  # one size seen, or no line through it
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens > 0 else None
 
 
 class LoadCosts:
@@ -94,7 +80,6 @@ class LoadCosts:
     def __init__(
         self,
         block_size: int,
-        max_step_tokens: int,
         metrics: Callable[[], VineyardCacheMetrics],
         clock: Callable[[], float] = time.monotonic,
         decide: bool = True,
@@ -102,17 +87,16 @@ class LoadCosts:
         self.block_size = block_size
         # False (load policy "always"): every hit is loaded, none stopped.
         self.decide = decide
-        self.max_step_tokens = max_step_tokens
         self._metrics = metrics
         self._clock = clock
         # Seconds per block of the last loads.
         self._load_s_per_block: collections.deque[float] = collections.deque(
             maxlen=LOAD_SAMPLES
         )
-        self._steps_fit = _WeightedFit()  # x: tokens, y: seconds
+        self._steps = _StepTimes()
         self._last_load_at = -float("inf")
         self._last_probe_at = -float("inf")
-        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+        self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
         self._loading = True  # the decision last logged
         self._probing = False  # a probe was promised, its price not seen
 
@@ -136,27 +120,26 @@ class LoadCosts:
         reports no output for a step without tokens; at most two steps
         are in flight, with async scheduling.)"""
         if num_tokens > 0:
-            if len(self._steps) == MAX_STEPS_IN_FLIGHT:
-                self._steps.popleft()  # its output never came
-            self._steps.append((self._clock(), num_tokens))
+            if len(self._in_flight) == MAX_STEPS_IN_FLIGHT:
+                self._in_flight.popleft()  # its output never came
+            self._in_flight.append((self._clock(), num_tokens))
 
     def step_finished(self) -> None:
         """The oldest step in flight ended now: its time per token."""
-        if not self._steps:
+        if not self._in_flight:
             return
-        started, tokens = self._steps.popleft()
+        started, tokens = self._in_flight.popleft()
         if tokens < MIN_STEP_TOKENS:
             return
-        self._steps_fit.add(tokens, self._clock() - started)
+        self._steps.add(tokens, self._clock() - started)
         self._publish()
 
     # ---- estimates and the decision -------------------------------------
 
     @property
     def compute_s_per_token(self) -> float | None:
-        """What one more prompt token costs a step now."""
-        line = self._steps_fit.line()
-        return None if line is None else line[1]
+        """What computing a prompt token costs now."""
+        return self._steps.per_token()
 
     def load_s(self, blocks: int) -> float | None:
         """The expected wall time of a load of ``blocks``, if known."""
@@ -172,11 +155,27 @@ class LoadCosts:
 
     def compute_s(self, tokens: int) -> float | None:
         """The expected time to compute ``tokens`` prompt tokens."""
-        line = self._steps_fit.line()
-        if line is None:
-            return None
-        steps = -(-tokens // self.max_step_tokens)
-        return line[0] * steps + line[1] * tokens
+        per_token = self._steps.per_token()
+        return None if per_token is None else per_token * tokens
+
+    def loads_may_win(self) -> bool:
+        """Whether a hit of any length may be loaded now: not while loading
+        a token is known to cost more than computing it, unless a probe is
+        due (then the caller need not wait for a lookup to compute)."""
+        per_block, per_token = self.load_s(1), self.compute_s_per_token
+        if not self.decide or per_block is None or per_token is None:
+            return True
+        if per_block * MARGIN <= per_token * self.block_size:
+            return True
+        return self._probe_due()
+
+    def _probe_due(self) -> bool:
+        since = max(self._last_load_at, self._last_probe_at)
+        return self._clock() - since >= PROBE_INTERVAL_S
+
+    def declined(self, hit_tokens: int) -> None:
+        """``hit_tokens`` found cached are computed for speed."""
+        self._metrics().add("tokens_not_loaded_slow", hit_tokens)
 
     def promise(self, hit_tokens: int) -> int:
         """How many of ``hit_tokens`` (a cached prefix, whole blocks) to
@@ -190,12 +189,11 @@ class LoadCosts:
             self._log_decision(True, load_s, compute_s)
             return hit_tokens
         self._log_decision(False, load_s, compute_s)
-        now = self._clock()
-        if now - max(self._last_load_at, self._last_probe_at) >= PROBE_INTERVAL_S:
-            self._last_probe_at = now
+        if self._probe_due():
+            self._last_probe_at = self._clock()
             self._probing = True
             return hit_tokens  # a probe: is the link faster again?
-        self._metrics().add("tokens_not_loaded_slow", hit_tokens)
+        self.declined(hit_tokens)
         return 0
 
     def _log_decision(
@@ -218,18 +216,16 @@ class LoadCosts:
         """The estimates, to remember across restarts."""
         return {
             "load_s_per_block": list(self._load_s_per_block),
-            "steps": asdict(self._steps_fit),
+            "steps": asdict(self._steps),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Start from remembered estimates (ignored if malformed)."""
         with contextlib.suppress(TypeError, ValueError):
             loads = [float(s) for s in state.get("load_s_per_block", [])]
-            steps = _WeightedFit(**{k: float(v) for k, v in state["steps"].items()})
+            steps = _StepTimes(**{k: float(v) for k, v in state["steps"].items()})
             self._load_s_per_block.extend(s for s in loads if s > 0)
-            self._steps_fit = steps
-            if self._load_s_per_block:
-                self._last_load_at = self._clock()  # the next probe is due later
+            self._steps = steps
             self._publish()
 
     def _publish(self) -> None:

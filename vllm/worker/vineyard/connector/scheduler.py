@@ -88,7 +88,6 @@ class VineyardConnectorScheduler:
         publish_events: bool = False,
         windowed: bool = False,
         cache_off: str | None = None,
-        max_step_tokens: int = 8192,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -113,10 +112,7 @@ class VineyardConnectorScheduler:
         self._removals: ResetRemovals | None = None  # once handshaken
         self._identity_wait_left = STEP_WAIT_S
         self._costs = LoadCosts(
-            block_size,
-            max_step_tokens,
-            lambda: self.metrics,
-            decide=config.load_policy == "auto",
+            block_size, lambda: self.metrics, decide=config.load_policy == "auto"
         )
         self._remembered: RememberedCosts | None = None  # once handshaken
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
@@ -144,13 +140,11 @@ class VineyardConnectorScheduler:
                 self._tp_size,
             )
             return
-        layouts = []
-        for _, handshake in sorted(metadata.items()):
-            assert isinstance(handshake, VineyardHandshake)
-            layouts.append(handshake.layout)
+        handshakes = [h for _, h in sorted(metadata.items())]
+        assert all(isinstance(h, VineyardHandshake) for h in handshakes)
+        layouts = [h.layout for h in handshakes]  # type: ignore[attr-defined]
         self._namespaces = [layout.namespace for layout in layouts]
-        # The workers' (chosen from the root's round trip when none is set).
-        self.chunk_size = layouts[0].chunk_size
+        self.chunk_size = layouts[0].chunk_size  # the workers' (maybe chosen)
         self._remembered = RememberedCosts(
             os.path.join(envs.VLLM_CACHE_ROOT, "vineyard_cache", "load_costs.json"),
             f"{os.path.realpath(self.config.root)}|{self._namespaces[0]}",
@@ -183,11 +177,20 @@ class VineyardConnectorScheduler:
             return 0, False
         assert self._lookup is not None
         digests = state.digests_up_to(request.num_tokens, self.block_size)
-        found = self._lookup.lookup(
-            request.request_id, digests, num_computed_tokens, request.num_tokens
+        # Computing known to win: its lookup (where saves start) is not
+        # waited for, only used if it is in.
+        computing = state.computed_for_speed or (
+            state.computed_for_speed is None and not self._costs.loads_may_win()
         )
-        if found is None:
+        req_id, num_tokens = request.request_id, request.num_tokens
+        found = self._lookup.lookup(
+            req_id, digests, num_computed_tokens, num_tokens, wait=not computing
+        )
+        if found is None and not computing:
             return None, False  # ask again next step
+        if found is None:
+            self._lookup.forget(req_id)
+            found = (0, 0)  # saves start from the first chunk
         num_hit, save_from = found
         if state.digests_sent == 0:
             state.save_from = state.found = state.saved = save_from
@@ -200,7 +203,9 @@ class VineyardConnectorScheduler:
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
         if num_hit and state.computed_for_speed is None:
-            state.computed_for_speed = self._costs.promise(num_hit) == 0
+            if computing:
+                self._costs.declined(num_hit)
+            state.computed_for_speed = computing or self._costs.promise(num_hit) == 0
         if state.computed_for_speed:
             num_hit = 0
         if state.timeline is not None and not state.timeline.answered(num_hit):
@@ -225,35 +230,30 @@ class VineyardConnectorScheduler:
         return state
 
     def on_new_request(self, request: Request) -> None:
-        """A request arrived: its lookup starts now, in the background, so
-        it is answered by the time the request is scheduled (and while it
-        waits behind others)."""
+        """A request arrived: its lookup starts now, in the background, so it
+        is answered when the request is scheduled (also behind others)."""
         state = self._state_of(request)
+        cached = state.save_from != NEVER and self._lookup is not None
+        if not cached or (state.keys is None and not self._identify(state, False)):
+            return
         if state.save_from == NEVER or self._lookup is None:
-            return
-        if state.keys is None and not self._identify(state, wait=False):
-            return
-        if state.save_from == NEVER:
-            return
+            return  # its adapter cannot be identified
         digests = state.digests_up_to(request.num_tokens, self.block_size)
         self._lookup.start(request.request_id, digests, request.num_tokens)
 
     def _identify(self, state: RequestState, wait: bool = True) -> bool:
         """Name the request's blocks: whether its keys are known now (or it
-        is served without the cache: its adapter cannot be identified, or
-        not within the lookup timeout)."""
+        is served uncached: its adapter is not identified in time)."""
         lora = state.request.lora_request
         if lora is not None:
             if self._adapters is None:
                 self._adapters = AdapterIdentities()
-            answer = self._adapters.identity(
-                lora, state.request.request_id, self._identity_wait_left * wait
-            )
+            deadline = state.asked_at + self.config.lookup_timeout_s
+            wait_s = self._identity_wait_left * wait
+            answer = self._adapters.identity(lora, state.request, deadline, wait_s)
             if isinstance(answer, Pending):
                 self._identity_wait_left = 0.0  # the others wait next step
-                if time.monotonic() - state.asked_at < self.config.lookup_timeout_s:
-                    return False
-                answer = None
+                return False
             if answer is None:
                 state.save_from = NEVER
                 self.metrics.add("unidentified_weights")

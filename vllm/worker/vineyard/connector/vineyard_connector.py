@@ -145,7 +145,6 @@ class VineyardConnector(KVConnectorBase_V1):
             publish_events=bool(events and events.enable_kv_cache_events),
             windowed=isinstance(spec, SlidingWindowSpec),
             cache_off=self._cache_off,
-            max_step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
 
     @property

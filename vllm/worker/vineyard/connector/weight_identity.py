@@ -24,6 +24,7 @@ import functools
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from vllm.worker.vineyard.storage.weights import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -145,10 +147,16 @@ class AdapterIdentities:
         return (lora.lora_int_id, lora.lora_name, lora.lora_path, request)
 
     def identity(
-        self, lora: LoRARequest, req_id: str, wait_s: float = 0.0
+        self,
+        lora: LoRARequest,
+        request: Request,
+        deadline: float = float("inf"),
+        wait_s: float = 0.0,
     ) -> str | None | Pending:
-        """The adapter's identity, ``None`` if it cannot be identified, or
+        """The identity of ``request``'s adapter ``lora``, ``None`` if it
+        cannot be identified (or not by ``deadline``, monotonic), or
         :data:`PENDING` (after waiting up to ``wait_s``)."""
+        req_id = request.request_id
         key = self._key(lora, req_id)
         job = self._jobs.get(key)
         if job is None:
@@ -157,7 +165,7 @@ class AdapterIdentities:
             job = self._jobs[key] = _Job(lora.lora_path)
             self._queue.put(job)
         if not job.done.wait(wait_s):
-            return PENDING
+            return PENDING if time.monotonic() < deadline else None
         if job.identity is None and lora.lora_path not in self._logged:
             self._logged.add(lora.lora_path)
             logger.warning(
