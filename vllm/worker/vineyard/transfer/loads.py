@@ -70,6 +70,10 @@ class LoadJob:
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
     stopped_slow: bool = False  # slower than computing: the rest computed
+    # When its first blocks arrived, and how many: its pace is measured
+    # from there (the first read's latency is not a link's bandwidth).
+    first_data_at: float | None = None
+    first_blocks: int = 0
     finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
     read_s: float = 0.0  # the readers' time reading, verifying; ours copying
@@ -215,22 +219,24 @@ class LoadPipeline:
         return times
 
     def _stop_slow_loads(self) -> None:
-        """Stop the loads that run slower than computing the rest: at the
-        pace of the blocks they have loaded, or, before their first blocks
-        arrive, once they have waited :data:`FIRST_BLOCKS_WAIT` of what
-        computing them all would take (so a link slower than computing
-        costs a request at most that much more)."""
+        """Stop the loads that run slower than computing the rest: at their
+        pace since their first blocks arrived, or, while no more came, once
+        they have waited :data:`FIRST_BLOCKS_WAIT` of what computing them
+        all would take (so a link slower than computing costs a request at
+        most that much more, per wait)."""
         now, bs = time.perf_counter(), self._layout.block_size
         for job in list(self._jobs.values()):
             c = job.compute_s_per_token
             left = job.last - job.loaded
             if c is None or job.finished or left <= 0:
                 continue
-            elapsed, done = now - job.started_at, job.loaded - job.start
-            if done > 0:
-                slow = elapsed / done * left > c * left * bs
+            since = job.started_at if job.first_data_at is None else job.first_data_at
+            more = job.loaded - job.start - job.first_blocks
+            if more > 0:
+                slow = (now - since) / more * left > c * left * bs
             else:
-                slow = elapsed > FIRST_BLOCKS_WAIT * c * left * bs
+                budget = FIRST_BLOCKS_WAIT * c * (job.last - job.start) * bs
+                slow = now - since > budget
             if slow:
                 job.stopped_slow = True
                 self._metrics.add("loads_stopped_slow")
@@ -293,6 +299,9 @@ class LoadPipeline:
                 self._copy_in(read.buffer, skip, use, job.block_ids[s + skip : s + use])
                 job.copy_s += time.perf_counter() - copy_started
                 job.loaded = s + use
+                if job.first_data_at is None:
+                    job.first_data_at = time.perf_counter()
+                    job.first_blocks = job.loaded - job.start
             self._free_buffers.append(read.buffer)
             if last:
                 self._finish(job)
@@ -401,7 +410,9 @@ class LoadPipeline:
         elif not job.fenced:
             self._metrics.add("loaded_tokens", max(0, loaded - start))
             done = job.loaded - job.start
-            blocks = done or (self._segment_blocks if job.stopped_slow else 0)
+            # Stopped before its first blocks: at least this slow.
+            first = job.segments[0][1] - job.segments[0][0] if job.segments else 0
+            blocks = done or (first if job.stopped_slow else 0)
             if blocks:
                 seconds = time.perf_counter() - job.started_at
                 self._load_times.append((blocks, seconds))
