@@ -63,7 +63,8 @@ COUNTERS: dict[str, str] = {
     "finish (the reset's fence holds regardless).",
     "tokens_not_loaded_slow": "Cached tokens computed instead of loaded because "
     "loading them was predicted, or turned out, slower than computing them "
-    "(a slow link to the root).",
+    "(a slow link to the root); a request that does not wait for its lookup "
+    "counts its hit only if the lookup was in.",
     "loads_stopped_slow": "Loads stopped at a chunk boundary because they ran "
     "slower than computing the rest; the rest was computed.",
     "requests_opted_out": "Requests that opted out of the cache "
