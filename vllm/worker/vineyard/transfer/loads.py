@@ -221,9 +221,10 @@ class LoadPipeline:
     def _stop_slow_loads(self) -> None:
         """Stop the loads that run slower than computing the rest: at their
         pace since their first blocks arrived, or, while no more came, once
-        they have waited :data:`FIRST_BLOCKS_WAIT` of what computing them
-        all would take (so a link slower than computing costs a request at
-        most that much more, per wait)."""
+        they have waited longer than computing their next segment would
+        take (at least :data:`FIRST_BLOCKS_WAIT` of computing them all): a
+        link slower than computing costs a request about one segment's
+        computation (its first segment is one chunk)."""
         now, bs = time.perf_counter(), self._layout.block_size
         for job in list(self._jobs.values()):
             c = job.compute_s_per_token
@@ -235,7 +236,9 @@ class LoadPipeline:
             if more > 0:
                 slow = (now - since) / more * left > c * left * bs
             else:
-                budget = FIRST_BLOCKS_WAIT * c * (job.last - job.start) * bs
+                k = 0 if job.first_data_at is None else 1
+                s, e = job.segments[min(k, len(job.segments) - 1)]
+                budget = c * bs * max(e - s, FIRST_BLOCKS_WAIT * (job.last - job.start))
                 slow = now - since > budget
             if slow:
                 job.stopped_slow = True
