@@ -19,6 +19,7 @@ publishing over ZMQ, the dev endpoints on) and a ZMQ subscriber in the test:
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -132,7 +133,13 @@ def served(tmp_path: Path) -> Iterator[tuple[Server, Subscriber, Path]]:
 
 
 def chunk_files(namespace: Path) -> list[Path]:
-    return [p for p in namespace.rglob("*") if p.is_file() and p.parent != namespace]
+    """Chunk files: flat ones (eight hex digits) or nested under folders."""
+    return [
+        p
+        for p in namespace.rglob("*")
+        if p.is_file()
+        and (p.parent != namespace or re.fullmatch("[0-9a-f]{8}", p.name))
+    ]
 
 
 @pytest.mark.timeout(900)

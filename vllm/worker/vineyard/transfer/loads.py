@@ -256,8 +256,13 @@ class LoadPipeline:
     def poll(self, wait: bool = False) -> None:
         """Move loads on: collect the readers' answers that have arrived,
         copy their verified blocks into place and send the next reads.
-        Never waits unless ``wait`` (then until every load is done)."""
+        Never waits unless ``wait`` (then until every load is done). Loads
+        are judged slow after the answers that arrived are in (a step that
+        ran long must not make a load that was done look slow)."""
+        self._collect(wait)
         self._stop_slow_loads()
+
+    def _collect(self, wait: bool) -> None:
         while True:
             self._send_reads()
             if not self._in_flight:
