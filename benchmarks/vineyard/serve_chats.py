@@ -54,12 +54,11 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -76,7 +75,16 @@ from serve_harness import (  # noqa: E402
     setup,
     write_result,
 )
-from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
+from serve_roots import (  # noqa: E402
+    Config,
+    SharedVolume,
+    as_is,
+    describe_roots,
+    far_root,
+    glusterfs_roots,
+    shared_volume,
+)
+from slow_fs import fuse_unavailable  # noqa: E402
 
 #: Common words: random text of about one token per word.
 _COMMON = """
@@ -100,8 +108,6 @@ CACHE_METRICS = (
     "loads_stopped_slow",
 )
 GLUSTERFS = "vineyard, GlusterFS"
-#: Round trips timed per kind of call in the GlusterFS probe.
-PROBE_CALLS = 50
 
 
 @dataclass(frozen=True)
@@ -133,17 +139,6 @@ class Turn:
     cached_tokens: int
     completion_tokens: int
     answer: str = ""
-
-
-@dataclass
-class SharedVolume:
-    """A distributed filesystem's client mounts (one per instance, in turn)
-    and its measured round trips (ms)."""
-
-    mounts: tuple[Path, ...]
-    round_trip_ms: dict[str, float]
-    #: The cores its servers and clients were moved to (None: left as is).
-    cores: list[int] | None = None
 
 
 def far_name(latency_ms: float) -> str:
@@ -319,115 +314,6 @@ def compare_to_no_cache(run: dict[str, dict[str, Any]]) -> None:
         r["answers_differing"] = len(differing)
 
 
-def probe_round_trips(
-    mounts: tuple[Path, ...], calls: int = PROBE_CALLS
-) -> dict[str, float]:
-    """What a ``stat`` and an ``open`` cost through a mount (ms): files one
-    client wrote, called through another (the last mount): the first
-    ``stat`` of each (new to that client), ``calls`` more of one, and
-    ``calls`` ``open`` + ``close``."""
-    folder = f"probe-{os.getpid()}"
-    (mounts[0] / folder).mkdir()
-    try:
-        for k in range(calls):
-            (mounts[0] / folder / f"f{k}").write_bytes(b"x")
-        there = mounts[-1] / folder
-
-        def per_call_ms(call: Callable[[int], object]) -> float:
-            start = time.perf_counter()
-            for k in range(calls):
-                call(k)
-            return 1e3 * (time.perf_counter() - start) / calls
-
-        return {
-            "stat_new_ms": per_call_ms(lambda k: os.stat(there / f"f{k}")),
-            "stat_ms": per_call_ms(lambda k: os.stat(there / "f0")),
-            "open_close_ms": per_call_ms(
-                lambda k: os.close(os.open(there / "f0", os.O_RDONLY))
-            ),
-        }
-    finally:
-        for k in range(calls):
-            (mounts[0] / folder / f"f{k}").unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            (mounts[0] / folder).rmdir()
-
-
-@contextlib.contextmanager
-def glusterfs_roots(base: Path, busy: set[int]) -> Iterator[SharedVolume | str]:
-    """A fresh GlusterFS replica-2 volume on two local bricks, mounted twice
-    under ``base`` (two clients, as two hosts), its servers and clients
-    moved off the ``busy`` cores where a core is free; or why it cannot be
-    set up here."""
-    # The tests' helper, which reports what is missing as a pytest skip.
-    import pytest
-
-    from tests.worker.vineyard_glusterfs_testing import glusterfs_volume
-
-    with contextlib.ExitStack() as stack:
-        try:
-            volume = stack.enter_context(glusterfs_volume(base))
-            pids = [pid for pid in volume.brick_pids() if pid]
-            for mount in volume.mounts:
-                found = subprocess.run(
-                    ["pgrep", "-f", f"glusterfs.*{mount}$"],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
-                pids += [int(pid) for pid in found.stdout.split()]
-            cores = pin_off(pids, busy)
-            shared: SharedVolume | str = SharedVolume(
-                volume.mounts, probe_round_trips(volume.mounts), cores
-            )
-        except (pytest.skip.Exception, Exception) as e:  # noqa: BLE001
-            why = str(e).strip() or type(e).__name__
-            shared = f"GlusterFS cannot be set up here: {why}"
-        yield shared
-
-
-#: A configuration: the instances' environments (one each), the servers'
-#: arguments, and facts to record with its result.
-Config = tuple[list[dict[str, str]], list[str], dict[str, Any]]
-
-
-@contextlib.contextmanager
-def _as_is(
-    plan: ChatPlan, env: dict[str, str], args: list[str] | None = None
-) -> Iterator[Config]:
-    yield [env] * plan.instances, args or [], {}
-
-
-@contextlib.contextmanager
-def _far_root(
-    plan: ChatPlan, folder: Path, latency_ms: float,
-    cache_env: Callable[[Path], dict[str, str]],
-) -> Iterator[Config]:  # fmt: skip
-    """The cache root on a FUSE mount of its own, ``latency_ms`` away."""
-    fs = SlowFs(folder, latency_ms=latency_ms, io_latency_ms=latency_ms)
-    try:
-        pin_off([fs.proc.pid], instance_cores(plan))
-        facts = {"latency_ms": latency_ms, "stat_ms": fs.stat_latency_ms()}
-        yield [cache_env(fs.mount / "root")] * plan.instances, [], facts
-    finally:
-        fs.close()
-
-
-@contextlib.contextmanager
-def _shared_volume(
-    plan: ChatPlan, volume: SharedVolume, run: int,
-    cache_env: Callable[[Path], dict[str, str]],
-) -> Iterator[Config]:  # fmt: skip
-    """One folder of the volume, each instance through its own client
-    mount, with a POD_NAME of its own (writers of one root need one)."""
-    envs = [
-        {
-            **cache_env(volume.mounts[k % len(volume.mounts)] / f"root-{run}"),
-            "POD_NAME": f"chats-{run}-instance-{k}",
-        }
-        for k in range(plan.instances)
-    ]
-    yield envs, [], {}
-
-
 def run_chats(
     plan: ChatPlan, work: Path, model: str, base_env: dict[str, str],
     cache_env: Callable[[Path], dict[str, str]],
@@ -441,8 +327,8 @@ def run_chats(
         run: dict[str, Any] = {}
         configs: list[tuple[str, contextlib.AbstractContextManager[Config] | str]]
         configs = [
-            ("no cache", _as_is(plan, base_env)),
-            ("vineyard", _as_is(plan, cache_env(work / f"root-{i}"))),
+            ("no cache", as_is(plan.instances, base_env)),
+            ("vineyard", as_is(plan.instances, cache_env(work / f"root-{i}"))),
         ]
         if plan.peer:
             peer = json.dumps({
@@ -452,17 +338,25 @@ def run_chats(
             })  # fmt: skip
             configs.append(
                 ("ExampleConnector",
-                 _as_is(plan, base_env, ["--kv-transfer-config", peer]))
+                 as_is(plan.instances, base_env, ["--kv-transfer-config", peer]))
             )  # fmt: skip
         for ms in far_latencies(plan):
-            far = _far_root(plan, work / f"far-{ms:g}ms-{i}", ms, cache_env)
+            far = far_root(
+                plan.instances,
+                instance_cores(plan),
+                work / f"far-{ms:g}ms-{i}",
+                ms,
+                cache_env,
+            )
             configs.append(
                 (far_name(ms), f"no FUSE here: {no_fuse}" if no_fuse else far)
             )
         if isinstance(glusterfs, str):
             configs.append((GLUSTERFS, glusterfs))
         elif glusterfs is not None:
-            configs.append((GLUSTERFS, _shared_volume(plan, glusterfs, i, cache_env)))
+            configs.append(
+                (GLUSTERFS, shared_volume(plan.instances, glusterfs, i, cache_env))
+            )
         for name, config in configs:
             print(f"  run {i + 1}: {name} ...", end="", flush=True)
             if isinstance(config, str):
@@ -525,59 +419,6 @@ def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return str(fmt.format(value))
 
 
-def _header(result: dict[str, Any]) -> list[str]:
-    """What the rows beyond no cache and the local root ran on."""
-    p, lines = result["plan"], []
-    if p.get("root_latency_ms"):
-        lines.append(
-            "root L ms away: the root on a FUSE mount (slow_fs.py) adding L ms to "
-            "every stat and open and to every fsync and first read of a file; "
-            "0 ms: the same mount adding nothing (the FUSE daemon's own cost)"
-        )
-        busy = ", ".join(map(str, result["instance_cores"]))
-        cores = result.get("fuse_daemon_cores")
-        if cores:
-            where = ", ".join(map(str, cores))
-            lines.append(f"FUSE daemon on cores {where}, off the instances' ({busy})")
-        else:
-            lines.append(
-                f"FUSE daemon NOT moved off the instances' cores ({busy}): no other "
-                f"core on this {os.cpu_count()}-core machine, it competes with them"
-            )
-        stats: dict[float, list[float]] = {}
-        for run in result["runs"]:
-            for r in run.values():
-                if "stat_ms" in r:
-                    stats.setdefault(r["latency_ms"], []).append(r["stat_ms"])
-        if stats:
-            measured = ", ".join(
-                f"{ms:g} ms away: {statistics.mean(v):.1f} ms"
-                for ms, v in sorted(stats.items())
-            )
-            lines.append(f"a stat through the mount (lookup + getattr): {measured}")
-    g = result.get("glusterfs")
-    if g and "skipped" in g:
-        lines.append(f"GlusterFS row skipped: {g['skipped']}")
-    elif g:
-        rt = g["round_trip_ms"]
-        where = (
-            f"moved to cores {', '.join(map(str, g['cores']))}"
-            if g.get("cores")
-            else "on the instances' cores (none free)"
-        )
-        lines.append(
-            "GlusterFS: a replica-2 volume, two bricks on this host, each "
-            "instance on its own client mount with a POD_NAME of its own; its "
-            f"servers and clients {where}"
-        )
-        lines.append(
-            f"GlusterFS round trip through a client ({PROBE_CALLS} calls each): "
-            f"stat {rt['stat_ms']:.3f} ms (of a file new to the client "
-            f"{rt['stat_new_ms']:.3f} ms), open+close {rt['open_close_ms']:.3f} ms"
-        )
-    return lines
-
-
 def print_chats(result: dict[str, Any]) -> None:
     p = result["plan"]
     print(
@@ -585,7 +426,7 @@ def print_chats(result: dict[str, Any]) -> None:
         f"{p['rounds']} rounds round-robin, a {p['document_words']}-word "
         f"document each, think time {p['think_s']:g} s"
     )
-    for line in _header(result):
+    for line in describe_roots(result):
         print(f"  {line}")
     print(
         "  (first / later ms: mean TTFT of the first / later rounds; ratio: later "

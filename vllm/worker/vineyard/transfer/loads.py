@@ -74,6 +74,9 @@ class LoadJob:
     # from there (the first read's latency is not a link's bandwidth).
     first_data_at: float | None = None
     first_blocks: int = 0
+    # When its first read went out: time queued behind other loads for a
+    # reader says nothing of the link (computing would queue too).
+    first_sent_at: float | None = None
     finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
     read_s: float = 0.0  # the readers' time reading, verifying; ours copying
@@ -213,7 +216,7 @@ class LoadPipeline:
 
     def take_load_times(self) -> list[tuple[int, float]]:
         """``(blocks, seconds)`` of the loads finished since the last call
-        (wall time from start to end; a load stopped for slowness with
+        (wall time from its first read to its end; a load stopped for slowness with
         nothing loaded counts its first segment, as a lower bound)."""
         times, self._load_times = self._load_times, []
         return times
@@ -221,17 +224,20 @@ class LoadPipeline:
     def _stop_slow_loads(self) -> None:
         """Stop the loads that run slower than computing the rest: at their
         pace since their first blocks arrived, or, while no more came, once
-        they have waited longer than computing their next segment would
-        take (at least :data:`FIRST_BLOCKS_WAIT` of computing them all): a
-        link slower than computing costs a request about one segment's
+        they have waited (from their first read: not while queued for a
+        reader) longer than computing their next segment would take (at
+        least :data:`FIRST_BLOCKS_WAIT` of computing them all): a link
+        slower than computing costs a request about one segment's
         computation (its first segment is one chunk)."""
         now, bs = time.perf_counter(), self._layout.block_size
         for job in list(self._jobs.values()):
             c = job.compute_s_per_token
             left = job.last - job.loaded
-            if c is None or job.finished or left <= 0:
+            if c is None or job.finished or left <= 0 or job.first_sent_at is None:
                 continue
-            since = job.started_at if job.first_data_at is None else job.first_data_at
+            since = (
+                job.first_sent_at if job.first_data_at is None else job.first_data_at
+            )
             more = job.loaded - job.start - job.first_blocks
             if more > 0:
                 slow = (now - since) / more * left > c * left * bs
@@ -369,6 +375,8 @@ class LoadPipeline:
                 continue  # to another reader, if one is idle
             self._free_buffers.popleft()
             job.next_segment = k + 1
+            if job.first_sent_at is None:
+                job.first_sent_at = time.perf_counter()
             read = _Read(job, k, buffer, reader, run, time.monotonic())
             self._in_flight.append(read)
 
@@ -421,8 +429,8 @@ class LoadPipeline:
             # Stopped before its first blocks: at least this slow.
             first = job.segments[0][1] - job.segments[0][0] if job.segments else 0
             blocks = done or (first if job.stopped_slow else 0)
-            if blocks:
-                seconds = time.perf_counter() - job.started_at
+            if blocks and job.first_sent_at is not None:
+                seconds = time.perf_counter() - job.first_sent_at
                 self._load_times.append((blocks, seconds))
             if loaded < end and not job.stopped_slow:
                 self._metrics.add("load_errors")
