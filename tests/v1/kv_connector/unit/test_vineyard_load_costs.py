@@ -3,13 +3,15 @@
 """Load or compute, decided from measurements: :class:`LoadCosts` with a
 fake clock and fed timings, then on vLLM's real ``Scheduler`` (a real worker
 side on a real root): a slow root gets no promise, a fast one the whole
-hit, a recovering one the hit again after its probe; and a load that turns
-out slower than computing stops at a chunk boundary."""
+hit, a recovering one the hit again after its probe (a timed read off the
+requests); and a load that turns out slower than computing stops at a chunk
+boundary."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,78 @@ def test_a_recovering_root_gets_the_hit_after_its_probe(
     assert costs.promise(HIT) == 0  # one probe per interval
     feed_loads(costs, clock, 1e-5)  # the probe and the loads after it: fast
     assert costs.promise(HIT) == HIT
+
+
+class FakeProbes:
+    """:class:`LinkProbes` whose probes finish when the test says."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []  # blocks of each probe started
+        self.busy = False
+        self.results: list[tuple[int, float]] = []
+
+    def start(self, digests: object, blocks: int) -> bool:
+        if self.busy:
+            return False
+        self.started.append(blocks)
+        self.busy = True
+        return True
+
+    def finish(self, blocks: int, seconds: float) -> None:
+        self.busy = False
+        self.results.append((blocks, seconds))
+
+    def take_results(self) -> list[tuple[int, float]]:
+        results, self.results = self.results, []
+        return results
+
+
+def test_a_probe_prices_the_link_off_the_requests(
+    costs: LoadCosts, clock: FakeClock, metrics: VineyardCacheMetrics
+) -> None:
+    """With probes, a recovering link is priced by a timed read while its
+    hit is computed: no request loads to find out."""
+    probes = FakeProbes()
+    costs.probes = probes  # type: ignore[assignment]
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-3)  # too slow
+    assert costs.promise(HIT) == 0
+    assert probes.started == []
+    clock.now += PROBE_INTERVAL_S
+    assert costs.promise(HIT) == 0  # computed while the link is priced
+    assert probes.started == [HIT // BLOCK_SIZE]
+    assert not costs.loads_may_win()  # the lookup need not be waited for
+    assert costs.promise(HIT) == 0  # still probing
+    assert metrics.take()["tokens_not_loaded_slow"] == 3 * HIT
+    probes.finish(8, 8 * 1e-6 * BLOCK_SIZE)  # fast again: replaces the old
+    assert costs.promise(HIT) == HIT
+    assert len(probes.started) == 1
+
+
+def test_a_restarted_engine_probes_before_loading(
+    tmp_path: Path, clock: FakeClock, metrics: VineyardCacheMetrics
+) -> None:
+    """Remembered prices decide nothing about the link now: the first hit
+    starts a probe and is computed; the probe's price decides the next."""
+    path = str(tmp_path / "load_costs.json")
+    first = LoadCosts(BLOCK_SIZE, lambda: metrics, clock)
+    remembered = RememberedCosts(path, "root|ns", first)
+    feed_compute(first, clock, 1e-4)
+    feed_loads(first, clock, 1e-6)  # fast, then
+    remembered.save()
+    restarted = LoadCosts(BLOCK_SIZE, lambda: metrics, clock)
+    RememberedCosts(path, "root|ns", restarted)
+    probes = FakeProbes()
+    restarted.probes = probes  # type: ignore[assignment]
+    assert restarted.promise(HIT) == 0
+    assert probes.started == [HIT // BLOCK_SIZE]
+    probes.finish(8, 8 * 1e-3 * BLOCK_SIZE)  # the link is slow now
+    assert restarted.promise(HIT) == 0
+    assert len(probes.started) == 1  # its own price: no probe until due
+    clock.now += PROBE_INTERVAL_S
+    assert restarted.promise(HIT) == 0
+    probes.finish(8, 8 * 1e-6 * BLOCK_SIZE)  # recovered
+    assert restarted.promise(HIT) == HIT
 
 
 def test_computing_is_priced_by_the_tokens_of_recent_steps(
@@ -223,7 +297,15 @@ def test_the_decision_on_the_real_scheduler(tmp_path: Path) -> None:
         feed_loads(costs, clock, 1.0)  # slow, then the link recovers
         assert first_scheduled(engine, "slow-again", prompt) == 0
         clock.now += PROBE_INTERVAL_S
-        assert first_scheduled(engine, "probe", prompt) == HIT
+        # The link is priced by a timed read of the hit's chunk files in a
+        # lookup process; the hit is computed meanwhile.
+        assert first_scheduled(engine, "probe", prompt) == 0
+        probes = costs.probes
+        assert probes is not None
+        deadline = time.monotonic() + 30.0
+        while probes.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not probes.busy
         assert first_scheduled(engine, "after-probe", prompt) == HIT
         assert engine.counter("load_errors") == 0
     finally:

@@ -149,6 +149,14 @@ class LookupReply:
 
 
 @dataclass
+class ProbeReply:
+    """Blocks read, and the wall time it took."""
+
+    blocks: int
+    seconds: float
+
+
+@dataclass
 class ResetReply:
     """The chunk files removed, and how many could not be."""
 
@@ -240,6 +248,19 @@ class LookupRequest(Request[LookupReply]):
     # Chunk files known unreadable: path below the namespace -> (inode,
     # mtime in ns); counted missing while they are unchanged.
     avoid: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProbeRequest(Request[ProbeReply]):
+    """Read the first chunk files of ``ids`` (rank 0's), at most
+    ``max_chunks`` and about ``max_bytes``, timed: the link's price (a
+    lookup process's request)."""
+
+    op: ClassVar[str] = "probe"
+    reply_type: ClassVar[type[Any]] = ProbeReply
+    ids: list[int]
+    max_chunks: int
+    max_bytes: int
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ socket, as the requests and replies of
 
 Roles: a reader or the writer
 (:class:`~vllm.worker.vineyard.backend.vineyard_server.VineyardServer`),
-or the scheduler's lookups (:class:`_LookupServer`, by ``stat`` alone).
+or the scheduler's lookups (:class:`_LookupServer`, by ``stat`` alone, and
+its timed reads of the link).
 Started through :mod:`vllm.worker.vineyard.launch`, so that a backend never
 imports vLLM or torch and starts in a fraction of a second.
 """
@@ -36,13 +37,18 @@ from vllm.worker.vineyard.backend.protocol import (
     LookupRequest,
     PingReply,
     PingRequest,
+    ProbeReply,
+    ProbeRequest,
     ResetReply,
     ResetRequest,
 )
 from vllm.worker.vineyard.backend.vineyard_server import VineyardServer
 from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
-from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
+from vllm.worker.vineyard.storage.cached_chunks import (
+    count_cached_chunks,
+    time_chunk_reads,
+)
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
 
@@ -51,8 +57,9 @@ logger = logging.getLogger(__name__)
 
 class _LookupServer:
     """The scheduler's lookups, by ``stat`` of chunk files (no vineyard, no
-    KV read): in a process of their own, so that a lookup stuck on a hung
-    root holds up no process that vLLM waits for at shutdown."""
+    KV read), and its timed reads of the link (no bytes kept): in a process
+    of their own, so that a call stuck on a hung root holds up no process
+    that vLLM waits for at shutdown."""
 
     def __init__(self, spec: BackendSpec):
         self._rank_files = [
@@ -63,7 +70,9 @@ class _LookupServer:
         ]
         self._log = LogLimiter(logger)
 
-    def handle(self, request: object) -> LookupReply | ResetReply | PingReply:
+    def handle(
+        self, request: object
+    ) -> LookupReply | ProbeReply | ResetReply | PingReply:
         if isinstance(request, LookupRequest):
             counts: dict[str, int] = {}
             cached = count_cached_chunks(
@@ -75,6 +84,15 @@ class _LookupServer:
                 request.avoid,
             )
             return LookupReply(cached, counts)
+        if isinstance(request, ProbeRequest):
+            return ProbeReply(
+                *time_chunk_reads(
+                    self._rank_files[0],
+                    request.ids,
+                    request.max_chunks,
+                    request.max_bytes,
+                )
+            )
         if isinstance(request, ResetRequest):
             return ResetReply(
                 *remove_namespace_chunks(request.root, set(request.namespaces))

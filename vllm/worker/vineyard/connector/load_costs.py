@@ -4,9 +4,10 @@
 and the decision between them (:class:`LoadCosts`).
 
 - Loading (per cache root): the seconds per block of the workers' recent
-  loads (wall time: the link, the round trips per chunk file, the readers'
-  queue), the median of the last :data:`LOAD_SAMPLES`, so a root a network
-  away is priced as it is now, and a change shows within a few loads.
+  loads (the readers' own time reading and verifying: the link, the round
+  trips per chunk file; not the steps that move loads on), the median of
+  the last :data:`LOAD_SAMPLES`, so a root a network away is priced as it
+  is now, and a change shows within a few loads.
 - Computing (per engine): the seconds per token of the engine's recent
   steps (from a step's scheduling to its output), weighted by their tokens,
   at its current load. A step's fixed costs make this price a little high
@@ -17,12 +18,16 @@ A hit is promised only when loading it is expected to finish sooner than
 computing it, by :data:`MARGIN`; otherwise it is computed (counted
 ``tokens_not_loaded_slow``). Estimates follow changes both ways: a slower
 link shows in the next loads; a link found too slow gets no loads, so at
-most every :data:`PROBE_INTERVAL_S` one hit is loaded anyway as a probe,
-whose price replaces the old ones (the workers stop any load that runs
-slower than computing the rest, so a probe costs little). Until both
-estimates exist, hits are loaded. The estimates outlive the engine
+most every :data:`PROBE_INTERVAL_S` the link is priced again by a probe: a
+timed read of a hit's first chunk files off the requests
+(:class:`~.link_probes.LinkProbes`; that hit is computed meanwhile), whose
+price replaces the old ones. Without probes (lookups in process) the hit
+itself is loaded as the probe (the workers stop any load that runs slower
+than computing the rest, so it costs little). Until both estimates exist,
+hits are loaded. The estimates outlive the engine
 (:class:`RememberedCosts`): a restarted engine starts from the prices its
-predecessor on this host saw for the same root and namespace.
+predecessor on this host saw for the same root and namespace, and probes
+the link at its first hit (computed meanwhile).
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm.worker.vineyard.connector.link_probes import LinkProbes
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
 logger = logging.getLogger(__name__)
@@ -99,11 +106,21 @@ class LoadCosts:
         self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
         self._loading = True  # the decision last logged
         self._probing = False  # a probe was promised, its price not seen
+        # The link's price from this engine's own loads or probes (not only
+        # remembered from a predecessor).
+        self._own_price = False
+        self.probes: LinkProbes | None = None  # timed reads off the requests
+
+    def probe_with(self, lookup: VineyardCacheLookup) -> None:
+        """Price the link by timed reads in ``lookup``'s processes (on a
+        thread of their own), not by loading hits."""
+        if self.decide:
+            self.probes = LinkProbes(lookup)
 
     # ---- samples ---------------------------------------------------------
 
     def observe_load(self, blocks: int, seconds: float) -> None:
-        """A worker's load of ``blocks`` took ``seconds`` (wall time)."""
+        """A worker's load of ``blocks`` took its readers ``seconds``."""
         if blocks <= 0 or seconds <= 0.0:
             return
         if self._probing:
@@ -112,8 +129,16 @@ class LoadCosts:
             self._probing = False
             self._load_s_per_block.clear()
         self._load_s_per_block.append(seconds / blocks)
+        self._own_price = True
         self._last_load_at = self._clock()
         self._publish()
+
+    def _take_probes(self) -> None:
+        """A probe's price replaces the old ones (loads are rare while hits
+        are computed)."""
+        for blocks, seconds in self.probes.take_results() if self.probes else ():
+            self._probing = True
+            self.observe_load(blocks, seconds)
 
     def step_scheduled(self, num_tokens: int) -> None:
         """A step with ``num_tokens`` scheduled tokens starts now. (vLLM
@@ -126,6 +151,7 @@ class LoadCosts:
 
     def step_finished(self) -> None:
         """The oldest step in flight ended now: its time per token."""
+        self._take_probes()
         if not self._in_flight:
             return
         started, tokens = self._in_flight.popleft()
@@ -142,7 +168,7 @@ class LoadCosts:
         return self._steps.per_token()
 
     def load_s(self, blocks: int) -> float | None:
-        """The expected wall time of a load of ``blocks``, if known."""
+        """The expected time of a load of ``blocks``, if known."""
         if not self._load_s_per_block:
             return None
         return statistics.median(self._load_s_per_block) * blocks
@@ -162,9 +188,12 @@ class LoadCosts:
         """Whether a hit of any length may be loaded now: not while loading
         a token is known to cost more than computing it, unless a probe is
         due (then the caller need not wait for a lookup to compute)."""
+        self._take_probes()
         per_block, per_token = self.load_s(1), self.compute_s_per_token
         if not self.decide or per_block is None or per_token is None:
             return True
+        if self.probes is not None and self.probes.busy:
+            return False  # hits are computed while the link is priced
         if per_block * MARGIN <= per_token * self.block_size:
             return True
         return self._probe_due()
@@ -177,19 +206,31 @@ class LoadCosts:
         """``hit_tokens`` found cached are computed for speed."""
         self._metrics().add("tokens_not_loaded_slow", hit_tokens)
 
-    def promise(self, hit_tokens: int) -> int:
-        """How many of ``hit_tokens`` (a cached prefix, whole blocks) to
-        load: all of them, or none when computing them is expected to be
-        faster (but for a probe now and then)."""
+    def promise(self, hit_tokens: int, digests: Sequence[bytes] = ()) -> int:
+        """How many of ``hit_tokens`` (a cached prefix, whole blocks, of the
+        prompt whose block digests are ``digests``) to load: all of them, or
+        none when computing them is expected to be faster, or while the
+        link is priced (a probe of this hit's chunk files)."""
         if hit_tokens <= 0 or not self.decide:
             return max(0, hit_tokens)
+        self._take_probes()
         load_s = self.load_s(hit_tokens // self.block_size)
         compute_s = self.compute_s(hit_tokens)
-        if load_s is None or compute_s is None or load_s * MARGIN <= compute_s:
+        if load_s is None or compute_s is None:
+            return hit_tokens  # its load prices the link
+        wins = load_s * MARGIN <= compute_s
+        if self.probes is not None:
+            due = (not self._own_price or not wins) and self._probe_due()
+            if due and self.probes.start(digests, hit_tokens // self.block_size):
+                self._last_probe_at = self._clock()
+            if self.probes.busy:
+                self.declined(hit_tokens)  # computed while the link is priced
+                return 0
+        if wins:
             self._log_decision(True, load_s, compute_s)
             return hit_tokens
         self._log_decision(False, load_s, compute_s)
-        if self._probe_due():
+        if self._probe_due() and self.probes is None:
             self._last_probe_at = self._clock()
             self._probing = True
             return hit_tokens  # a probe: is the link faster again?

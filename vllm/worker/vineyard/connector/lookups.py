@@ -21,12 +21,16 @@ from vllm.worker.vineyard.backend.protocol import (
     BackendSettings,
     BackendSpec,
     LookupRequest,
+    ProbeRequest,
     ResetRequest,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
+from vllm.worker.vineyard.storage.cached_chunks import (
+    count_cached_chunks,
+    time_chunk_reads,
+)
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
@@ -111,6 +115,16 @@ class VineyardCacheLookup:
         self.count(num_local_tokens, num_tokens, len(digests), num_hit)
         return num_hit, save_from
 
+    def warm_up(self) -> None:
+        """Start this thread's lookup process now, not the spare (that is
+        the first lookup's); a failure is logged, the first call tries
+        again."""
+        if not self._in_process and getattr(self._processes, "process", None) is None:
+            try:
+                self._processes.process = self._start_process()
+            except BackendError as e:
+                logger.warning("vineyard cache lookup process did not start: %s", e)
+
     def _process(self) -> BackendProcess:
         """This thread's lookup process (started on its first lookup)."""
         process: BackendProcess | None = getattr(self._processes, "process", None)
@@ -167,6 +181,23 @@ class VineyardCacheLookup:
             timeout_s=self.config.backend_timeout_s,
         )
         return reply.removed, reply.left
+
+    def time_reads(
+        self, digests: Sequence[bytes], max_chunks: int, max_bytes: int
+    ) -> tuple[int, float]:
+        """Read the first chunk files of a prefix (rank 0's), timed: ``(blocks
+        read, seconds)`` (see :func:`time_chunk_reads`), in this thread's
+        lookup process (a hung root raises :class:`BackendError` after
+        ``backend_timeout_s``)."""
+        bpc = self.chunk_size // self.block_size
+        ids = synthetic_ids(digests[: max_chunks * bpc])
+        if self._in_process:
+            return time_chunk_reads(self._files[0], ids, max_chunks, max_bytes)
+        reply = self._process().call(
+            ProbeRequest(ids, max_chunks, max_bytes),
+            timeout_s=self.config.backend_timeout_s,
+        )
+        return reply.blocks, reply.seconds
 
     def count(
         self, num_local_tokens: int, num_tokens: int, num_digests: int, num_hit: int

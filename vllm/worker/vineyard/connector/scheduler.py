@@ -150,10 +150,9 @@ class VineyardConnectorScheduler:
             f"{os.path.realpath(self.config.root)}|{self._namespaces[0]}",
             self._costs,
         )
-        lookups = self._lookup = BackgroundLookups(
-            VineyardCacheLookup(self.config, layouts, in_process=False),
-            self.config.lookup_timeout_s,
-        )
+        lookup = VineyardCacheLookup(self.config, layouts, in_process=False)
+        lookups = self._lookup = BackgroundLookups(lookup, self.config.lookup_timeout_s)
+        self._costs.probe_with(lookup)
         self._removals = ResetRemovals(lookups, lambda: self.metrics)
         if self._publish_events:
             # Paths as the workers' backends name removed files: resolved.
@@ -205,7 +204,8 @@ class VineyardConnectorScheduler:
         if num_hit and state.computed_for_speed is None:
             if computing:
                 self._costs.declined(num_hit)
-            state.computed_for_speed = computing or self._costs.promise(num_hit) == 0
+            computed = computing or self._costs.promise(num_hit, digests) == 0
+            state.computed_for_speed = computed
         if state.computed_for_speed:
             num_hit = 0
         if state.timeline is not None and not state.timeline.answered(num_hit):

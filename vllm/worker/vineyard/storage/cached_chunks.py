@@ -4,6 +4,8 @@
 ``stat`` alone, from a prefix's ids (no walk of the root, no KV read), for
 the scheduler's lookup process and the backend. Where a lookup stops at a
 damaged chunk file it removes it, so that the next save writes it again.
+And a timed read of a prefix's first chunk files (:func:`time_chunk_reads`):
+the link's price, measured off any request.
 
 Imports neither vLLM nor torch (the backend processes run it).
 """
@@ -12,11 +14,16 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Mapping
 
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.removal import remove_file
+from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
+
+#: Bytes read per ``pread`` of a timed read.
+_READ_PIECE = 1 << 20
 
 
 def count_cached_chunks(
@@ -85,3 +92,33 @@ def _remove_if_damaged(
             files.file_bytes(len(ids)),
             path,
         )
+
+
+def time_chunk_reads(
+    files: ChunkFiles, ids: list[int], max_chunks: int, max_bytes: int
+) -> tuple[int, float]:
+    """Read the leading chunk files of ``ids`` whole (at most ``max_chunks``,
+    and no more once ``max_bytes`` are read), as a load reads them:
+    ``(blocks read, seconds)``. Stops at a file that is missing or cannot be
+    read (what was read still counts); no bytes are kept or checked."""
+    bpc, blocks, done = files.blocks_per_chunk, 0, 0
+    start = time.perf_counter()
+    for k in range(min(max_chunks, len(ids) // bpc)):
+        try:
+            fd = os.open(files.path(ids[: (k + 1) * bpc]), OPEN_FILE)
+        except OSError:
+            break
+        try:
+            offset = 0
+            while piece := os.pread(fd, _READ_PIECE, offset):
+                offset += len(piece)
+        except OSError:
+            break
+        finally:
+            os.close(fd)
+        if offset == 0:
+            break  # vineyard's empty placeholder: no chunk yet
+        blocks, done = blocks + bpc, done + offset
+        if done >= max_bytes:
+            break
+    return blocks, time.perf_counter() - start

@@ -70,12 +70,8 @@ class LoadJob:
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
     stopped_slow: bool = False  # slower than computing: the rest computed
-    # When its first blocks arrived, and how many: its pace is measured
-    # from there (the first read's latency is not a link's bandwidth).
-    first_data_at: float | None = None
-    first_blocks: int = 0
-    # When its first read went out: time queued behind other loads for a
-    # reader says nothing of the link (computing would queue too).
+    # When its first read went out (a load stopped before its first blocks
+    # arrived prices the link by the time since).
     first_sent_at: float | None = None
     finished: bool = False  # reported: answers still in flight are dropped
     started_at: float = field(default_factory=time.perf_counter)
@@ -216,36 +212,40 @@ class LoadPipeline:
 
     def take_load_times(self) -> list[tuple[int, float]]:
         """``(blocks, seconds)`` of the loads finished since the last call
-        (wall time from its first read to its end; a load stopped for slowness with
-        nothing loaded counts its first segment, as a lower bound)."""
+        (the readers' time reading and verifying them; a load stopped for
+        slowness with nothing loaded: its first segment and the time since
+        its first read, as a lower bound)."""
         times, self._load_times = self._load_times, []
         return times
 
     def _stop_slow_loads(self) -> None:
-        """Stop the loads that run slower than computing the rest: at their
-        pace since their first blocks arrived, or, while no more came, once
-        they have waited (from their first read: not while queued for a
-        reader) longer than computing their next segment would take (at
-        least :data:`FIRST_BLOCKS_WAIT` of computing them all): a link
-        slower than computing costs a request about one segment's
-        computation (its first segment is one chunk)."""
-        now, bs = time.perf_counter(), self._layout.block_size
+        """Stop the loads that run slower than computing the rest, by the
+        readers' own time (reading and verifying: a busy engine's long
+        steps, which move loads on, and time queued for a reader do not
+        count): once the blocks read so far took longer per block than
+        computing a block takes, or a read not answered yet has taken
+        longer than computing its blocks would (the first read: at least
+        :data:`FIRST_BLOCKS_WAIT` of computing them all). A link slower
+        than computing costs a request about one segment's computation (a
+        load's first segment is one chunk)."""
+        now, bs = time.monotonic(), self._layout.block_size
+        unanswered: dict[int, _Read] = {}  # job -> its oldest read in flight
+        for read in self._in_flight:
+            unanswered.setdefault(id(read.job), read)
         for job in list(self._jobs.values()):
             c = job.compute_s_per_token
             left = job.last - job.loaded
-            if c is None or job.finished or left <= 0 or job.first_sent_at is None:
+            if c is None or job.finished or left <= 0:
                 continue
-            since = (
-                job.first_sent_at if job.first_data_at is None else job.first_data_at
-            )
-            more = job.loaded - job.start - job.first_blocks
-            if more > 0:
-                slow = (now - since) / more * left > c * left * bs
-            else:
-                k = 0 if job.first_data_at is None else 1
-                s, e = job.segments[min(k, len(job.segments) - 1)]
-                budget = c * bs * max(e - s, FIRST_BLOCKS_WAIT * (job.last - job.start))
-                slow = now - since > budget
+            done = job.loaded - job.start
+            slow = done > 0 and job.read_s + job.verify_s > c * bs * done
+            waiting = unanswered.get(id(job))
+            if waiting is not None and not slow:
+                s, e = job.segments[waiting.segment]
+                blocks = float(e - s)
+                if waiting.segment == 0:
+                    blocks = max(blocks, FIRST_BLOCKS_WAIT * (job.last - job.start))
+                slow = now - waiting.sent_at > c * bs * blocks
             if slow:
                 job.stopped_slow = True
                 self._metrics.add("loads_stopped_slow")
@@ -313,9 +313,6 @@ class LoadPipeline:
                 self._copy_in(read.buffer, skip, use, job.block_ids[s + skip : s + use])
                 job.copy_s += time.perf_counter() - copy_started
                 job.loaded = s + use
-                if job.first_data_at is None:
-                    job.first_data_at = time.perf_counter()
-                    job.first_blocks = job.loaded - job.start
             self._free_buffers.append(read.buffer)
             if last:
                 self._finish(job)
@@ -425,13 +422,15 @@ class LoadPipeline:
             loaded = end
         elif not job.fenced:
             self._metrics.add("loaded_tokens", max(0, loaded - start))
+            # The readers' own time; a load stopped before its first blocks
+            # arrived: at least the time since its first read, for them.
             done = job.loaded - job.start
-            # Stopped before its first blocks: at least this slow.
             first = job.segments[0][1] - job.segments[0][0] if job.segments else 0
-            blocks = done or (first if job.stopped_slow else 0)
-            if blocks and job.first_sent_at is not None:
+            if done and job.read_s + job.verify_s > 0:
+                self._load_times.append((done, job.read_s + job.verify_s))
+            elif job.stopped_slow and first and job.first_sent_at is not None:
                 seconds = time.perf_counter() - job.first_sent_at
-                self._load_times.append((blocks, seconds))
+                self._load_times.append((first, seconds))
             if loaded < end and not job.stopped_slow:
                 self._metrics.add("load_errors")
                 self._log.warning(

@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The link's price measured off the requests (:class:`LinkProbes`): a
+timed read of a hit's first chunk files, on a thread and in a lookup
+process of its own (a probe on a slow or hung root holds up no lookup and
+no request), one at a time. :class:`~.load_costs.LoadCosts` asks for one
+when its price of loading is not this engine's own yet (remembered from a
+predecessor) or is due again (the link was found too slow a while ago), and
+computes that hit meanwhile."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from vllm.logger import init_logger
+
+from vllm.worker.vineyard.backend.protocol import BackendError
+from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+
+logger = init_logger(__name__)
+
+#: A probe reads whole chunk files up to about this many bytes: enough for
+#: a link's bandwidth to show over its round trips.
+PROBE_BYTES = 4 << 20
+#: ... and at most this many chunk files.
+PROBE_CHUNKS = 16
+
+
+class LinkProbes:
+    def __init__(self, lookup: VineyardCacheLookup):
+        self._lookup = lookup
+        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._results: list[tuple[int, float]] = []
+        self._lock = threading.Lock()
+        self._busy = False  # a probe is queued or running
+        threading.Thread(
+            target=self._run, name="vineyard-cache-link-probe", daemon=True
+        ).start()
+
+    def start(self, digests: Sequence[bytes], blocks: int) -> bool:
+        """Time the read of the first chunk files of a prefix that holds
+        ``blocks`` cached blocks; ``False`` while another probe runs."""
+        bpc = self._lookup.chunk_size // self._lookup.block_size
+        chunks = min(blocks // bpc, PROBE_CHUNKS)
+        with self._lock:
+            if self._busy or chunks <= 0:
+                return False
+            self._busy = True
+        self._queue.put(list(digests[: chunks * bpc]))
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """A probe is queued or running."""
+        return self._busy
+
+    def take_results(self) -> list[tuple[int, float]]:
+        """``(blocks, seconds)`` of the probes finished since the last call."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        # This thread's lookup process, started now: a probe does not wait
+        # for a process to start.
+        self._lookup.warm_up()
+        while (digests := self._queue.get()) is not None:
+            bpc = self._lookup.chunk_size // self._lookup.block_size
+            start = time.perf_counter()
+            try:
+                result = self._lookup.time_reads(
+                    digests, len(digests) // bpc, PROBE_BYTES
+                )
+            except BackendError as e:
+                # Gave up after the backend timeout: at least this slow.
+                logger.warning("vineyard cache link probe failed: %s", e)
+                result = (bpc, time.perf_counter() - start)
+            with self._lock:
+                if result[0] > 0:
+                    self._results.append(result)
+                self._busy = False
