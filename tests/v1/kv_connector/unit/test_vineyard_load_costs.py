@@ -163,6 +163,18 @@ def test_a_probe_prices_the_link_off_the_requests(
     assert len(probes.started) == 1
 
 
+def test_with_probes_an_unknown_link_is_loaded(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    """Nothing known (a new root): the hit is loaded, and its load prices
+    the link (it stops itself if slow); no probe."""
+    probes = FakeProbes()
+    costs.probes = probes  # type: ignore[assignment]
+    feed_compute(costs, clock, 1e-4)
+    assert costs.promise(HIT) == HIT
+    assert probes.started == []
+
+
 def test_a_restarted_engine_probes_before_loading(
     tmp_path: Path, clock: FakeClock, metrics: VineyardCacheMetrics
 ) -> None:

@@ -24,7 +24,7 @@ logger = init_logger(__name__)
 
 #: A probe reads whole chunk files up to about this many bytes: enough for
 #: a link's bandwidth to show over its round trips.
-PROBE_BYTES = 4 << 20
+PROBE_BYTES = 1 << 20
 #: ... and at most this many chunk files.
 PROBE_CHUNKS = 16
 

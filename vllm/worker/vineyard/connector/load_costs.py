@@ -190,10 +190,10 @@ class LoadCosts:
         due (then the caller need not wait for a lookup to compute)."""
         self._take_probes()
         per_block, per_token = self.load_s(1), self.compute_s_per_token
-        if not self.decide or per_block is None or per_token is None:
-            return True
         if self.probes is not None and self.probes.busy:
             return False  # hits are computed while the link is priced
+        if not self.decide or per_block is None or per_token is None:
+            return True
         if per_block * MARGIN <= per_token * self.block_size:
             return True
         return self._probe_due()
@@ -217,7 +217,7 @@ class LoadCosts:
         load_s = self.load_s(hit_tokens // self.block_size)
         compute_s = self.compute_s(hit_tokens)
         if load_s is None or compute_s is None:
-            return hit_tokens  # its load prices the link
+            return hit_tokens  # its load prices the link (and stops if slow)
         wins = load_s * MARGIN <= compute_s
         if self.probes is not None:
             due = (not self._own_price or not wins) and self._probe_due()
