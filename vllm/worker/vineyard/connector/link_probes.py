@@ -32,7 +32,7 @@ PROBE_CHUNKS = 16
 class LinkProbes:
     def __init__(self, lookup: VineyardCacheLookup):
         self._lookup = lookup
-        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._results: list[tuple[int, float]] = []
         self._lock = threading.Lock()
         self._busy = False  # a probe is queued or running
@@ -63,14 +63,11 @@ class LinkProbes:
             results, self._results = self._results, []
         return results
 
-    def close(self) -> None:
-        self._queue.put(None)
-
     def _run(self) -> None:
         # This thread's lookup process, started now: a probe does not wait
         # for a process to start.
         self._lookup.warm_up()
-        while (digests := self._queue.get()) is not None:
+        while digests := self._queue.get():
             bpc = self._lookup.chunk_size // self._lookup.block_size
             start = time.perf_counter()
             try:
