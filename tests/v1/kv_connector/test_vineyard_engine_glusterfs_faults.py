@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.vineyard_engine_testing import (
+    CHUNK_SIZE,
     EngineRun,
     ReferenceRunner,
     cacheable_prefix,
@@ -128,7 +129,10 @@ def outcome(
                 run_engine,
                 toy_model,
                 _rounds(spec, prompts, gates),
-                engine_env(root),
+                # One block per chunk whatever the volume's round trip (about
+                # 1 ms here on a loaded machine): the test counts hits in
+                # blocks.
+                engine_env(root, extra={"VINEYARD_CACHE_CHUNK_SIZE": str(CHUNK_SIZE)}),
                 module_dir / name,
                 timeout_s=800.0,
                 fresh=name == "b",  # the fork server runs one at a time
