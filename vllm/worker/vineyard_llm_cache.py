@@ -342,7 +342,7 @@ class VineyardLLMCache:
         # A read buffer holds a segment of a load: a quarter of a step's
         # blocks (whole chunks), so that a long load's reads overlap.
         self._read_buffers = ReadBuffers(
-            self.num_readers + 1,
+            self.num_readers + 1 + config.read_ahead_buffers,
             max(bpc, max_blocks // 4 // bpc * bpc),
             layout.entry_bytes,
             dtype,
@@ -379,6 +379,7 @@ class VineyardLLMCache:
             layout,
             self.metrics,
             config.backend_timeout_s,
+            config.read_ahead_buffers,
         )
         sync_s = None if config.enable_async_update else config.backend_timeout_s + 5
         self._saves = SavePipeline(

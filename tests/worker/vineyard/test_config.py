@@ -163,6 +163,11 @@ CASES: dict[str, EnvCase] = {
         (("0", 0), ("1", 1), ("8", 8)),
         (("two", "[0, 8]"), ("-1", "[0, 8]"), ("9", "[0, 8]"), ("1.5", "[0, 8]")),
     ),
+    "VINEYARD_CACHE_READ_AHEAD_BUFFERS": EnvCase(
+        "read_ahead_buffers",
+        (("0", 0), ("4", 4), ("64", 64)),
+        (("some", "[0, 64]"), ("-1", "[0, 64]"), ("65", "[0, 64]"), ("2.5", "[0, 64]")),
+    ),
     "VINEYARD_CACHE_LOOKUP_TIMEOUT_S": EnvCase(
         "lookup_timeout_s",
         (("0.5", 0.5), ("600", 600.0)),

@@ -236,6 +236,13 @@ class VineyardLLMCacheConfig:
         "two with a GPU; two the worker is not bound to on a CPU), else one.",
         _number(int, 0, True, 8),
     )
+    read_ahead_buffers: int = _setting(
+        "4",
+        "Read buffers per worker (a quarter of a step's KV each) for the "
+        "hits of queued requests, read while they wait so that their loads "
+        "finish in the step that starts them. 0: no read-ahead.",
+        _number(int, 0, True, 64),
+    )
     lookup_timeout_s: float = _setting(
         "2",
         "Longest a lookup (file metadata, in the background) may take before "

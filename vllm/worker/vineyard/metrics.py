@@ -67,6 +67,10 @@ COUNTERS: dict[str, str] = {
     "counts its hit only if the lookup was in.",
     "loads_stopped_slow": "Loads stopped at a chunk boundary because they ran "
     "slower than computing the rest; the rest was computed.",
+    "read_ahead_tokens": "Cached tokens read while their request was queued, "
+    "then loaded by it (loads that had them at once).",
+    "read_ahead_unused_tokens": "Cached tokens read while their request was "
+    "queued but not loaded by it (computed, aborted, or the cache reset).",
     "requests_opted_out": "Requests that opted out of the cache "
     "(kv_transfer_params): nothing loaded, nothing saved.",
     "unsupported_models": "Engines serving without the cache because their "

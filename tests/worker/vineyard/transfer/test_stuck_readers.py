@@ -186,7 +186,7 @@ def test_a_given_up_readers_buffer_waits_until_it_is_gone(
     """The read buffer a killed reader was given is not handed out again
     while that process lives (it may still write into it); loads go on in
     the other buffer, and the held one is used again once it is gone."""
-    h = make_cache(backend_timeout_s=0.5, readers=1)
+    h = make_cache(backend_timeout_s=0.5, readers=1, read_ahead_buffers=0)
     assert h.cache._read_buffers.memory.count == 2
     tokens, src = saved(h)
     sent = SentBuffers(h, monkeypatch)
@@ -213,7 +213,7 @@ def test_loads_with_every_buffer_held_are_recomputed(
     """Every read buffer is held by a reader killed but not gone: a load
     is reported short at once (recomputed) without a read, not left pending
     until one exits; loads hit again once they are gone."""
-    h = make_cache(backend_timeout_s=0.5, readers=1)
+    h = make_cache(backend_timeout_s=0.5, readers=1, read_ahead_buffers=0)
     assert h.cache._read_buffers.memory.count == 2
     tokens, src = saved(h)
     first, _ = give_up_on_the_reader(h, kills, tokens, "stuck-1")

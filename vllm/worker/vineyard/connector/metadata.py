@@ -44,8 +44,20 @@ class RequestDelta:
 
 
 @dataclass
+class ReadAheadOrder:
+    """Read ahead a queued request's hit: tokens ``[start, end)``, whose
+    blocks ``digests`` name from token 0 (to the end of ``end``'s chunk)."""
+
+    req_id: str
+    digests: list[bytes]
+    start: int
+    end: int
+
+
+@dataclass
 class VineyardConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestDelta] = field(default_factory=list)
+    read_aheads: list[ReadAheadOrder] = field(default_factory=list)
     # reset_cache calls so far: writes staged before the last one are
     # dropped or removed, and never reported
     resets: int = 0
@@ -75,6 +87,9 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
     unreadable: list[tuple[str, int, int]] = field(default_factory=list)
     # (blocks, seconds) of the ranks' finished loads: what loading costs
     load_times: list[tuple[int, float]] = field(default_factory=list)
+    # rank -> {request: (first token, end)} read ahead whole, when it moved
+    # on ((0, 0): dropped)
+    read_ahead: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     # the reset_cache calls the ranks knew of (the fewest): what is stored
     # by writes staged before a later reset is not news
     resets: int = 0
@@ -87,5 +102,6 @@ class VineyardWorkerReport(KVConnectorWorkerMetadata):
             removed=self.removed + other.removed,
             unreadable=self.unreadable + other.unreadable,
             load_times=self.load_times + other.load_times,
+            read_ahead={**self.read_ahead, **other.read_ahead},
             resets=min(self.resets, other.resets),
         )

@@ -83,6 +83,18 @@ class RequestState:
         for rank, saved in self.rank_saved.items():
             self.rank_saved[rank] = min(saved, token)
 
+    def load_failed(self, invalid_block_ids: set[int], bs: int, chunk: int) -> None:
+        """vLLM found these blocks not loaded: if its load had one, it is
+        never promised past it again, and saves again from its chunk."""
+        if self.loading is None:
+            return
+        start, end = self.loading
+        for b in range(start // bs, end // bs):
+            if self.load_blocks[b] in invalid_block_ids:
+                self.max_hit = min(self.max_hit, b * bs)
+                self.rewind(b * bs // chunk * chunk)
+                return
+
     def take_digests(self, num_tokens: int, block_size: int) -> tuple[int, list[bytes]]:
         """The digests of the first ``num_tokens`` tokens' complete blocks
         that were not sent to the workers yet (marked sent), and the index

@@ -45,6 +45,7 @@ from vllm.worker.vineyard.connector.metadata import (
     VineyardHandshake,
     VineyardWorkerReport,
 )
+from vllm.worker.vineyard.connector.read_aheads import ReadAheads
 from vllm.worker.vineyard.connector.removals import ResetRemovals
 from vllm.worker.vineyard.connector.request_keys import (
     request_keys,
@@ -88,6 +89,7 @@ class VineyardConnectorScheduler:
         publish_events: bool = False,
         windowed: bool = False,
         cache_off: str | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -115,6 +117,8 @@ class VineyardConnectorScheduler:
             block_size, lambda: self.metrics, decide=config.load_policy == "auto"
         )
         self._remembered: RememberedCosts | None = None  # once handshaken
+        ahead = config.read_ahead_buffers > 0
+        self._read_aheads = ReadAheads(block_size, tp_size, prefix_caching, ahead)
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
         # Sliding-window attention: vLLM frees a running request's blocks
         # once they leave the window (and hands them to other requests).
@@ -164,8 +168,7 @@ class VineyardConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """``(tokens to load, True)``: loads are asynchronous; ``(None,
-        False)`` while the lookup is pending."""
+        """``(tokens to load, True)``, or ``(None, False)``: ask again."""
         state = self._state_of(request)
         state.load = None
         state.num_local_tokens = num_computed_tokens
@@ -201,13 +204,15 @@ class VineyardConnectorScheduler:
             )
         if self._ranks_that_cannot_load:
             num_hit = 0  # a reader is restarting or disabled: no promises
-        if num_hit and state.computed_for_speed is None:
+        # What every rank read ahead while it waited costs a copy to load.
+        ready = min(num_hit, self._read_aheads.ready(req_id, num_computed_tokens))
+        if num_hit > ready and state.computed_for_speed is None:
             if computing:
                 self._costs.declined(num_hit)
             computed = computing or self._costs.promise(num_hit, digests) == 0
             state.computed_for_speed = computed
         if state.computed_for_speed:
-            num_hit = 0
+            num_hit = ready
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
         return num_hit, num_hit > 0
@@ -230,8 +235,7 @@ class VineyardConnectorScheduler:
         return state
 
     def on_new_request(self, request: Request) -> None:
-        """A request arrived: its lookup starts now, in the background, so it
-        is answered when the request is scheduled (also behind others)."""
+        """A request arrived: its lookup starts now, in the background."""
         state = self._state_of(request)
         cached = state.save_from != NEVER and self._lookup is not None
         if not cached or (state.keys is None and not self._identify(state, False)):
@@ -240,6 +244,7 @@ class VineyardConnectorScheduler:
             return  # its adapter cannot be identified
         digests = state.digests_up_to(request.num_tokens, self.block_size)
         self._lookup.start(request.request_id, digests, request.num_tokens)
+        self._read_aheads.arrived(state)
 
     def _identify(self, state: RequestState, wait: bool = True) -> bool:
         """Name the request's blocks: whether its keys are known now (or it
@@ -278,23 +283,15 @@ class VineyardConnectorScheduler:
         state.load = (min(max(start, state.held_from * self.block_size), end), end)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Learn from the workers: which loads finished and which came up
-        short (a request whose load failed at block ``b`` on any rank is
-        never promised more than ``b`` again, and saves from there again on
-        every rank), how far requests are saved, and which ranks can load."""
+        """Learn from the workers: loads finished or short, saves, which
+        ranks can load, what they read ahead."""
         self._forward_passes_ended()
         self._costs.step_finished()
-        bs = self.block_size
         if output.invalid_block_ids:
             for state in self._requests.values():
-                if state.loading is None:
-                    continue
-                start, end = state.loading
-                for b in range(start // bs, end // bs):
-                    if state.load_blocks[b] in output.invalid_block_ids:
-                        state.max_hit = min(state.max_hit, b * bs)
-                        state.rewind(b * bs // self.chunk_size * self.chunk_size)
-                        break
+                state.load_failed(
+                    output.invalid_block_ids, self.block_size, self.chunk_size
+                )
         for req_id in output.finished_recving or ():
             finished = self._requests.get(req_id)
             if finished is not None:
@@ -320,6 +317,8 @@ class VineyardConnectorScheduler:
             self._lookup.avoid(report.unreadable)
         for blocks, seconds in report.load_times:
             self._costs.observe_load(blocks, seconds)
+        if report.resets == self._resets:  # else of the old names
+            self._read_aheads.report(report.read_ahead)
         for rank, can_load in report.can_load.items():
             if can_load:
                 self._ranks_that_cannot_load.discard(rank)
@@ -359,6 +358,9 @@ class VineyardConnectorScheduler:
             self._remembered.maybe_save()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
         meta.requests.extend(self._load_deltas())
+        for delta in meta.requests:
+            self._read_aheads.computed(delta.new_digests)
+        meta.read_aheads = self._read_aheads.orders(self._lookup, self.chunk_size)
         return meta
 
     def _scheduled_deltas(
@@ -451,18 +453,15 @@ class VineyardConnectorScheduler:
         self._forwarding.clear()
 
     def reset_cache(self) -> bool:
-        """Reset the cache. The fence is immediate: a new epoch names every
-        block from now on, so chunks written before (with old weights, or by
-        writes still queued or in flight, which the workers drop or remove
-        once they learn of it) are never looked up again; running requests
-        save again from their first chunk. The chunks of the namespaces of
-        its TP ranks (shared with instances that serve the same model alike)
-        are removed in the background (:mod:`.removals`). Always succeeds:
-        the fence holds whatever the removal does."""
+        """Reset the cache: a new epoch names every block from now on (the
+        fence, at once: nothing written before is looked up again; running
+        requests save again), and the ranks' namespaces are emptied in the
+        background (:mod:`.removals`). Always succeeds: the fence holds."""
         if self._lookup is None:
             return True  # the cache is off: nothing of ours is there
         self._epoch = os.urandom(8).hex()
         self._resets += 1
+        self._read_aheads.clear()
         self._finished.clear()
         if self._events is not None:
             self._events.removed_all()
@@ -486,6 +485,7 @@ class VineyardConnectorScheduler:
             self._finished[request.request_id] = state
             while len(self._finished) > MAX_FINISHED_TRACKED:
                 self._finished.popitem(last=False)
+        self._read_aheads.forget(request.request_id)
         if self._lookup is not None:
             self._lookup.forget(request.request_id)
         if self._adapters is not None and request.lora_request is not None:

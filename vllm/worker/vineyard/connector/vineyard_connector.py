@@ -145,6 +145,7 @@ class VineyardConnector(KVConnectorBase_V1):
             publish_events=bool(events and events.enable_kv_cache_events),
             windowed=isinstance(spec, SlidingWindowSpec),
             cache_off=self._cache_off,
+            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         )
 
     @property

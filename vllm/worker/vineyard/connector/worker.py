@@ -202,7 +202,14 @@ class VineyardConnectorWorker:
             self._resets = meta.resets
             self.cache.fence()
         self._update_requests(meta)
+        for order in meta.read_aheads:
+            self.cache.loads.read_ahead(
+                order.req_id, order.digests, order.start, order.end
+            )
         for delta in meta.requests:
+            if delta.load is None and delta.replace_blocks:
+                # Scheduled without a load: what was read ahead is not used.
+                self.cache.loads.drop_read_ahead(delta.req_id)
             if delta.load is not None:
                 state = self._requests[delta.req_id]
                 start, end = delta.load
@@ -274,12 +281,16 @@ class VineyardConnectorWorker:
         report.removed = self.cache.take_removed_paths()
         report.unreadable = self.cache.take_unreadable()
         report.load_times = self.cache.loads.take_load_times()
+        read_ahead = self.cache.loads.take_read_ahead()
+        if read_ahead:
+            report.read_ahead[rank] = read_ahead
         news = (
             report.stored
             or report.can_load
             or report.removed
             or report.unreadable
             or report.load_times
+            or report.read_ahead
         )
         return report if news else None
 

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from vllm.logger import init_logger
@@ -22,13 +21,20 @@ from vllm.worker.vineyard.backend.protocol import (
     QueryReply,
     QueryRequest,
 )
-from vllm.worker.vineyard.backend.runs import BackendRun
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.transfer.backends import BackendCalls
 from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
+from vllm.worker.vineyard.transfer.load_jobs import (
+    Answer,
+    HeldBuffers,
+    LoadJob,
+    SegmentRead,
+    segments_of,
+)
+from vllm.worker.vineyard.transfer.read_ahead import ReadAheadJobs
 from vllm.worker.vineyard.transfer.staging import ReadBuffers
 
 logger = init_logger(__name__)
@@ -38,63 +44,26 @@ logger = init_logger(__name__)
 FIRST_BLOCKS_WAIT = 0.1
 
 
-@dataclass
-class _Read:
-    """A segment's read sent to a reader, not answered yet."""
-
-    job: LoadJob
-    segment: int
-    buffer: int
-    reader: BackendProcess
-    run: BackendRun  # the reader's process that got it
-    sent_at: float
-
-
-@dataclass
-class LoadJob:
-    """One request's load: which blocks to read (in segments of whole
-    chunks) and to fill, and how far it got."""
-
-    req_id: str
-    ids: list[int]  # vineyard ids of every block read
-    digests: list[bytes]
-    block_ids: list[int]  # the request's KV blocks from token 0
-    start: int  # first block to fill
-    last: int  # end of the blocks to fill
-    segments: list[tuple[int, int]]  # block ranges read per query
-    next_segment: int = 0
-    loaded: int = 0  # end of the blocks filled so far
-    # What computing a token costs the engine now (from the scheduler): a
-    # load slower than computing the rest is stopped; None: never stopped.
-    compute_s_per_token: float | None = None
-    cancelled: bool = False
-    fenced: bool = False  # a reset came: nothing it read is used
-    stopped_slow: bool = False  # slower than computing: the rest computed
-    # When its first read went out (a load stopped before its first blocks
-    # arrived prices the link by the time since).
-    first_sent_at: float | None = None
-    finished: bool = False  # reported: answers still in flight are dropped
-    started_at: float = field(default_factory=time.perf_counter)
-    read_s: float = 0.0  # the readers' time reading, verifying; ours copying
-    verify_s: float = 0.0
-    copy_s: float = 0.0
-
-
 class LoadPipeline:
     """The loads of one cache (its ``loads``), moved on by the thread that
     calls it (the forward thread) and never waiting unless told to.
 
     Several readers read (and verify) segments at once, the next ones of
-    a load included, each into a free read buffer; their answers are taken
-    in the order the reads went out, so blocks are copied in order and a
-    segment that comes back short ends its load there (the answers to the
-    reads after it are dropped).
+    a load included, each into a free read buffer; a load's answers are
+    copied in the order its reads went out, so blocks go into place in
+    order and a segment that comes back short ends its load there (the
+    answers to the reads after it are dropped).
 
-    A reader given up on (stuck, or dead) is killed without waiting, and
-    the buffer it was given stays unused until its process is gone: killed
-    in an uninterruptible filesystem call, it exits only when the call
-    returns, and its read then still lands in that buffer. Loads go on
-    with the other buffers; while every buffer is held so, a load stops
+    A request still queued can be read ahead (:meth:`read_ahead`): its
+    segments are read into at most ``read_ahead_buffers`` buffers of their
+    own while real loads have the rest, on one reader fewer than there
+    are; the answers wait in their buffers, and the request's load, once
+    it starts, copies them at once. Dropped when the request is scheduled
+    without a load, aborted or the cache reset.
+
+    A reader given up on (stuck, or dead) is killed without waiting; its
+    buffer is held until its process is gone (:class:`HeldBuffers`). Loads
+    go on with the other buffers; while every buffer is held, a load stops
     where it is (the rest is recomputed)."""
 
     def __init__(
@@ -106,8 +75,10 @@ class LoadPipeline:
         layout: KVCacheLayout,
         metrics: VineyardCacheMetrics,
         timeout_s: float,
+        read_ahead_buffers: int = 0,
     ):
-        assert buffers.memory.count > len(readers) > 0
+        assert buffers.memory.count > len(readers) + read_ahead_buffers
+        assert len(readers) > 0
         self._readers, self._calls = list(readers), calls  # where reads go
         self._buffers = buffers
         self._kv = kv
@@ -118,18 +89,19 @@ class LoadPipeline:
         # A buffer's last copy into KV blocks (on a device, asynchronous).
         self._events: list[torch.cuda.Event | None] = [None] * buffers.memory.count
         self._free_buffers = collections.deque(range(buffers.memory.count))
-        # Buffers of reads given up on, until their process is gone: the
-        # buffer, the process, since when.
-        self._held: list[tuple[int, BackendRun, float]] = []
+        self._held = HeldBuffers(timeout_s)
         # Loads by request, in the order their reads go out; the reads in
         # flight, oldest first.
         self._jobs: dict[str, LoadJob] = {}
         self._queue: collections.deque[LoadJob] = collections.deque()
-        self._in_flight: collections.deque[_Read] = collections.deque()
+        self._in_flight: collections.deque[SegmentRead] = collections.deque()
         self._finished: list[tuple[str, int, int]] = []
         # (blocks, seconds) of finished loads: what loading costs now.
         self._load_times: list[tuple[int, float]] = []
         self._segment_blocks = buffers.memory.max_blocks
+        self._ahead = ReadAheadJobs(
+            read_ahead_buffers, self._segment_blocks, layout.block_size
+        )
 
     def start(
         self,
@@ -153,46 +125,103 @@ class LoadPipeline:
         ``end``, but only blocks in ``[start, end)`` are written: blocks
         before ``start`` (vLLM's own prefix-cache hit, maybe shared with
         running requests) and after ``end`` (not the request's to fill) are
-        left alone. The reader verifies every entry before it is copied.
-
-        The readers read segments of a read buffer each (whole chunks) while
-        the engine runs; the only work on the caller's thread is the copy of
-        verified blocks into place.
+        left alone. The reader verifies every entry before it is copied; the
+        only work on the caller's thread is the copy into place.
         """
-        bs, bpc = self._layout.block_size, self._layout.blocks_per_chunk
+        bs = self._layout.block_size
         assert start % bs == 0 and end % bs == 0
-        first, last = start // self._layout.chunk_size * bpc, end // bs
-        read_end = min(-(-last // bpc), len(digests) // bpc) * bpc
-        step = self._segment_blocks
-        # A load that may be stopped for slowness reads its first chunk on
-        # its own: its pace shows after one chunk, not one segment.
-        lead = bpc if compute_s_per_token is not None and read_end > first else 0
-        segments = [(first, min(first + lead, read_end))] if lead else []
-        segments += [
-            (b, min(b + step, read_end)) for b in range(first + lead, read_end, step)
-        ]
-        job = LoadJob(
-            req_id=req_id,
-            ids=synthetic_ids(digests[:read_end]),
-            digests=list(digests[:read_end]),
-            block_ids=list(block_ids),
-            start=start // bs,
-            last=last,
-            segments=segments,
-            compute_s_per_token=compute_s_per_token,
-        )
+        first, read_end = self._read_range(digests, start, end)
+        job = self._adopt(req_id, digests, first, read_end)
+        if job is None:
+            # A load that may be stopped for slowness reads its first chunk
+            # on its own: its pace shows after one chunk, not one segment.
+            bpc = self._layout.blocks_per_chunk
+            lead = bpc if compute_s_per_token is not None else 0
+            segments = segments_of(first, read_end, self._segment_blocks, lead)
+            job = LoadJob(
+                req_id=req_id,
+                ids=synthetic_ids(digests[:read_end]),
+                digests=list(digests[:read_end]),
+                block_ids=[],
+                start=0,
+                last=0,
+                segments=segments,
+            )
+        job.block_ids = list(block_ids)
+        job.start, job.last = start // bs, end // bs
         job.loaded = job.start
+        job.compute_s_per_token = compute_s_per_token
         self._jobs[req_id] = job
-        if segments:
+        if job.next_segment < len(job.segments):
             self._queue.append(job)
-        else:
+        self._copy_answers(job)  # what was read ahead
+        if not job.segments:
             self._finish(job)  # nothing to read
+
+    def _read_range(
+        self, digests: Sequence[bytes], start: int, end: int
+    ) -> tuple[int, int]:
+        """The blocks a load of tokens ``[start, end)`` reads: whole
+        chunks, as far as ``digests`` go."""
+        bs, bpc = self._layout.block_size, self._layout.blocks_per_chunk
+        first = start // self._layout.chunk_size * bpc
+        return first, min(-(-(end // bs) // bpc), len(digests) // bpc) * bpc
+
+    def read_ahead(
+        self, req_id: str, digests: Sequence[bytes], start: int, end: int
+    ) -> None:
+        """Read the cached KV of tokens ``[start, end)`` of a request still
+        queued into read buffers, so that its load, once it starts, has it
+        (see the class); returns at once."""
+        if req_id not in self._jobs:
+            self._ahead.add(req_id, digests, *self._read_range(digests, start, end))
+
+    def drop_read_ahead(self, req_id: str) -> None:
+        """The request will not load what was read ahead (scheduled without
+        a load, or aborted): its buffers are free again."""
+        job = self._ahead.jobs.pop(req_id, None)
+        if job is not None:
+            self._drop(job)
+
+    def _drop(self, job: LoadJob) -> None:
+        """End a read-ahead unused: its answers' buffers are freed, their
+        reads price the link all the same."""
+        job.finished = True
+        self._ahead.jobs.pop(job.req_id, None)
+        blocks = sum(a.verified for a in job.answers.values())
+        seconds = sum(a.read_s + a.verify_s for a in job.answers.values())
+        if blocks and seconds > 0 and not job.fenced:
+            self._load_times.append((blocks, seconds))
+        self._metrics.add("read_ahead_unused_tokens", blocks * self._layout.block_size)
+        self._free_answers(job)
+
+    def _adopt(
+        self, req_id: str, digests: Sequence[bytes], first: int, read_end: int
+    ) -> LoadJob | None:
+        """The request's read-ahead, made its load if it read the same
+        chunks (else dropped)."""
+        job = self._ahead.jobs.pop(req_id, None)
+        if job is None:
+            return None
+        freed = self._ahead.adopt(job, digests, first, read_end)
+        if freed is None:
+            self._drop(job)
+            return None
+        self._free_buffers.extend(freed)
+        job.started_at = time.perf_counter()
+        blocks = sum(a.verified for a in job.answers.values())
+        self._metrics.add("read_ahead_tokens", blocks * self._layout.block_size)
+        return job
+
+    def take_read_ahead(self) -> dict[str, tuple[int, int]]:
+        return self._ahead.take_news()  # see ReadAheadJobs.take_news
 
     def cancel(self, req_id: str) -> None:
         """Stop a request's load (it was aborted): it is reported finished
         at once, since nothing is written into its blocks from now on (only
         this thread copies into KV blocks; a read still in flight lands in
         a read buffer and is dropped)."""
+        self.drop_read_ahead(req_id)
         job = self._jobs.get(req_id)
         if job is not None:
             job.cancelled = True
@@ -202,51 +231,40 @@ class LoadPipeline:
         """The cache was reset: every load still going finishes with
         nothing loaded (its blocks are recomputed), as what it reads
         predates the reset."""
-        for job in list(self._jobs.values()):
+        for job in list(self._jobs.values()) + list(self._ahead.jobs.values()):
             job.fenced = True
             job.loaded = job.start
-            self._finish(job)
+            if job.ahead:
+                self._drop(job)
+            else:
+                self._finish(job)
 
     def loading(self, req_id: str) -> bool:
         return req_id in self._jobs
 
     def take_load_times(self) -> list[tuple[int, float]]:
-        """``(blocks, seconds)`` of the loads finished since the last call
-        (the readers' time reading and verifying them; a load stopped for
-        slowness with nothing loaded: its first segment and the time since
-        its first read, as a lower bound)."""
+        """``(blocks, seconds)`` of the loads (and read-aheads) finished
+        since the last call: the readers' time reading and verifying them
+        (stopped with nothing loaded: the time since the first read)."""
         times, self._load_times = self._load_times, []
         return times
 
     def _stop_slow_loads(self) -> None:
-        """Stop the loads that run slower than computing the rest, by the
-        readers' own time (reading and verifying: a busy engine's long
-        steps, which move loads on, and time queued for a reader do not
-        count): once the blocks read so far took longer per block than
-        computing a block takes, or a read not answered yet has taken
-        longer than computing its blocks would (the first read: at least
-        :data:`FIRST_BLOCKS_WAIT` of computing them all). A link slower
-        than computing costs a request about one segment's computation (a
-        load's first segment is one chunk)."""
+        """Stop the loads that run slower than computing the rest
+        (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy
+        engine's long steps and time queued for a reader do not count). A
+        link slower than computing costs a request about one segment's
+        computation (a load's first segment is one chunk)."""
         now, bs = time.monotonic(), self._layout.block_size
-        unanswered: dict[int, _Read] = {}  # job -> its oldest read in flight
+        unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
         for read in self._in_flight:
-            unanswered.setdefault(id(read.job), read)
+            if read.job.next_copy <= read.segment < len(read.job.segments):
+                unanswered.setdefault(id(read.job), read)
         for job in list(self._jobs.values()):
-            c = job.compute_s_per_token
             left = job.last - job.loaded
-            if c is None or job.finished or left <= 0:
+            if job.finished or left <= 0:
                 continue
-            done = job.loaded - job.start
-            slow = done > 0 and job.read_s + job.verify_s > c * bs * done
-            waiting = unanswered.get(id(job))
-            if waiting is not None and not slow:
-                s, e = job.segments[waiting.segment]
-                blocks = float(e - s)
-                if waiting.segment == 0:
-                    blocks = max(blocks, FIRST_BLOCKS_WAIT * (job.last - job.start))
-                slow = now - waiting.sent_at > c * bs * blocks
-            if slow:
+            if job.runs_slow(unanswered.get(id(job)), now, bs, FIRST_BLOCKS_WAIT):
                 job.stopped_slow = True
                 self._metrics.add("loads_stopped_slow")
                 self._metrics.add("tokens_not_loaded_slow", left * bs)
@@ -271,21 +289,12 @@ class LoadPipeline:
     def _collect(self, wait: bool) -> None:
         while True:
             self._send_reads()
-            if not self._in_flight:
+            answer = self._next_answer(wait)
+            if answer is None:
                 return
-            read = self._in_flight[0]
+            read, ready = answer
+            self._in_flight.remove(read)
             reader, job = read.reader, read.job
-            ready = wait or reader.ready()
-            # Stuck: no progress for the timeout; a reader starved of CPU or
-            # waiting for a busy disk is slow, and waited for, but a
-            # request waits for a read at most twice the timeout.
-            stuck = not ready and (
-                reader.stalled(self._timeout_s) is not None
-                or time.monotonic() - read.sent_at >= 2 * self._timeout_s
-            )
-            if not (ready or stuck):
-                return
-            self._in_flight.popleft()
             try:
                 # A stuck reader is given up on at once (and restarted).
                 timeout_s = None if ready else 0.0
@@ -293,40 +302,73 @@ class LoadPipeline:
             except BackendError as e:
                 logger.warning("vineyard cache read failed, recomputing: %s", e)
                 self._release(read)
-                self._finish(job)
+                (self._drop if job.ahead else self._finish)(job)
                 continue
-            if job.finished:  # an earlier segment ended it
-                self._free_buffers.append(read.buffer)
+            k = read.segment
+            if job.finished or not job.next_copy <= k < len(job.segments):
+                self._free_buffers.append(read.buffer)  # not needed now
                 continue
             verified = reply.verified
-            job.read_s += reply.read_s
-            job.verify_s += reply.verify_s
-            s, seg_end = job.segments[read.segment]
-            last = s + verified < seg_end or read.segment + 1 == len(job.segments)
-            if last:
-                job.next_segment = len(job.segments)  # no more reads
-            # The readers' next reads overlap this copy.
-            self._send_reads()
-            skip, use = max(0, job.loaded - s), min(verified, job.last - s)
+            job.answers[k] = Answer(read.buffer, verified, reply.read_s, reply.verify_s)
+            if verified < job.segments[k][1] - job.segments[k][0]:
+                job.next_segment = len(job.segments)  # no reads past it
+            if not job.ahead:
+                # The readers' next reads overlap the copy.
+                self._send_reads()
+                self._copy_answers(job)
+
+    def _next_answer(self, wait: bool) -> tuple[SegmentRead, bool] | None:
+        """The next read to take: an answered one, or a stuck one (given up
+        on), or (``wait``, while loads are going) the oldest, waited for;
+        ``(read, answered)``."""
+        for read in self._in_flight:
+            if read.reader.ready():
+                return read, True
+        for read in self._in_flight:
+            # Stuck: no progress for the timeout (a reader starved of CPU or
+            # waiting for a busy disk is slow), or twice the timeout passed.
+            if (
+                read.reader.stalled(self._timeout_s) is not None
+                or time.monotonic() - read.sent_at >= 2 * self._timeout_s
+            ):
+                return read, False
+        if wait and self._jobs and self._in_flight:
+            return self._in_flight[0], True
+        return None
+
+    def _copy_answers(self, job: LoadJob) -> None:
+        """Copy the job's answers that are next in order into its blocks;
+        a short answer, or the last, finishes it."""
+        while not job.finished and job.next_copy in job.answers:
+            k = job.next_copy
+            answer = job.answers.pop(k)
+            job.next_copy = k + 1
+            job.read_s += answer.read_s
+            job.verify_s += answer.verify_s
+            s, e = job.segments[k]
+            skip, use = max(0, job.loaded - s), min(answer.verified, job.last - s)
             if use > skip:
                 copy_started = time.perf_counter()
-                self._copy_in(read.buffer, skip, use, job.block_ids[s + skip : s + use])
+                blocks = job.block_ids[s + skip : s + use]
+                self._copy_in(answer.buffer, skip, use, blocks)
                 job.copy_s += time.perf_counter() - copy_started
                 job.loaded = s + use
-            self._free_buffers.append(read.buffer)
-            if last:
+            self._free_buffers.append(answer.buffer)
+            short = s + answer.verified < e
+            if short or job.next_copy == len(job.segments) or job.loaded >= job.last:
                 self._finish(job)
 
     def _send_reads(self) -> None:
         """Send the next segments' reads, of the first unfinished loads, to
         the idle readers (the first reader first), each into a free read
-        buffer. A read a reader cannot take (it died, or is restarting) goes
-        to another; with none left and none answering, the load stops
-        there (the rest is recomputed)."""
-        self._take_back_held()
+        buffer; then reads ahead, within their budget. A read a reader
+        cannot take (it died, or is restarting) goes to another; with none
+        left and none answering, the load stops there (the rest is
+        recomputed)."""
+        self._free_buffers.extend(self._held.take_back())
         busy = {id(read.reader) for read in self._in_flight}
         idle = [r for r in self._readers if id(r) not in busy and r.available]
-        if self._queue and len(self._held) == self._buffers.memory.count:
+        if self._queue and self._held.count == self._buffers.memory.count:
             # Every buffer waits for a killed reader to exit (which may take
             # as long as the filesystem does).
             self._log.warning(
@@ -339,8 +381,7 @@ class LoadPipeline:
             self._queue.clear()
         while self._free_buffers and self._queue:
             job = self._queue[0]
-            k = job.next_segment
-            if job.finished or k >= len(job.segments):
+            if job.finished or job.next_segment >= len(job.segments):
                 # Every read sent: the last answer finishes it.
                 self._queue.popleft()
                 continue
@@ -353,64 +394,61 @@ class LoadPipeline:
                 )
                 self._finish(job)
                 continue
-            s, e = job.segments[k]
-            reader, buffer = idle.pop(0), self._free_buffers[0]
-            event = self._events[buffer]
-            if event is not None:
-                event.synchronize()  # the buffer's last copy is done
-            try:
-                request = QueryRequest(
-                    buffer,
-                    job.ids[:s],
-                    job.ids[s:e],
-                    job.digests[s:e],
-                    k == 0,  # the load's first read marks the prefix used too
-                )
-                run = self._calls.send(reader, request)
-            except BackendError as e:
-                logger.warning("vineyard cache reader failed: %s", e)
-                continue  # to another reader, if one is idle
-            self._free_buffers.popleft()
-            job.next_segment = k + 1
-            if job.first_sent_at is None:
-                job.first_sent_at = time.perf_counter()
-            read = _Read(job, k, buffer, reader, run, time.monotonic())
-            self._in_flight.append(read)
+            self._send(job, idle)
+        self._send_reads_ahead(idle)
 
-    def _release(self, read: _Read) -> None:
-        """The buffer of a read that failed: free, unless its process was
-        stopped before it answered and has not exited yet (it may still
-        write into the buffer)."""
-        if read.run.may_still_write():
-            self._held.append((read.buffer, read.run, time.monotonic()))
-        else:
-            self._free_buffers.append(read.buffer)
-
-    def _take_back_held(self) -> None:
-        """Free the held buffers whose process is gone (never waits)."""
-        if not self._held:
+    def _send_reads_ahead(self, idle: list[BackendProcess]) -> None:
+        """Reads ahead, oldest request first, while no load waits to read."""
+        if self._queue:
             return
-        held, self._held, now = self._held, [], time.monotonic()
-        for buffer, run, since in held:
-            if run.gone():
-                self._free_buffers.append(buffer)
-                continue
-            self._held.append((buffer, run, since))
-            if now - since >= self._timeout_s:
-                self._log.warning(
-                    "held",
-                    "vineyard cache reader pid %d was killed %.0f s ago and "
-                    "has not exited (stuck in the filesystem?); its read "
-                    "buffer is not used until it has",
-                    run.pid,
-                    now - since,
-                )
+        sendable = self._ahead.sendable(self._in_flight, len(self._readers))
+        for job in list(self._ahead.jobs.values()):
+            while sendable and idle and self._free_buffers:
+                if job.next_segment >= len(job.segments):
+                    break
+                sendable -= self._send(job, idle)
+
+    def _send(self, job: LoadJob, idle: list[BackendProcess]) -> bool:
+        """Send the job's next read to the first idle reader (taken off
+        ``idle``), into the first free buffer."""
+        k = job.next_segment
+        s, e = job.segments[k]
+        reader, buffer = idle.pop(0), self._free_buffers[0]
+        event = self._events[buffer]
+        if event is not None:
+            event.synchronize()  # the buffer's last copy is done
+        try:
+            request = QueryRequest(
+                buffer,
+                job.ids[:s],
+                job.ids[s:e],
+                job.digests[s:e],
+                k == 0,  # the load's first read marks the prefix used too
+            )
+            run = self._calls.send(reader, request)
+        except BackendError as e:
+            logger.warning("vineyard cache reader failed: %s", e)
+            return False  # to another reader, if one is idle
+        self._free_buffers.popleft()
+        job.next_segment = k + 1
+        if job.first_sent_at is None:
+            job.first_sent_at = time.perf_counter()
+        read = SegmentRead(job, k, buffer, reader, run, time.monotonic())
+        self._in_flight.append(read)
+        return True
+
+    def _release(self, read: SegmentRead) -> None:
+        """The buffer of a read that failed: free, unless its process may
+        still write into it (see :class:`HeldBuffers`)."""
+        if not self._held.hold(read.buffer, read.run):
+            self._free_buffers.append(read.buffer)
 
     def _finish(self, job: LoadJob) -> None:
         """Report ``job`` finished (once), with what it loaded."""
         if job.finished:
             return  # already reported
         job.finished = True
+        self._free_answers(job)
         if self._jobs.get(job.req_id) is job:
             del self._jobs[job.req_id]
         with contextlib.suppress(ValueError):
@@ -445,6 +483,11 @@ class LoadPipeline:
         self._metrics.observe("load_verify_s", job.verify_s)
         self._metrics.observe("load_copy_s", job.copy_s)
         self._finished.append((job.req_id, loaded, end))
+
+    def _free_answers(self, job: LoadJob) -> None:
+        for answer in job.answers.values():
+            self._free_buffers.append(answer.buffer)
+        job.answers.clear()
 
     def _copy_in(
         self, buffer: int, first: int, end: int, block_ids: Sequence[int]

@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Read-ahead on vLLM's real ``Scheduler`` (a real worker side on a real
+root): a request with a hit queued behind a long prompt has its hit read
+while it waits, and once scheduled its load finishes in the step that
+starts it, even on a link priced slower than computing (without
+read-ahead that hit is computed); its bytes are the saved ones."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.v1.request import RequestStatus
+
+from tests.v1.kv_connector.unit.test_vineyard_load_costs import (
+    FakeClock,
+    connector_costs,
+    feed_loads,
+    first_scheduled,
+)
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
+    BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    Engine,
+    FakeWorker,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    expected_blocks,
+    make_model_dir,
+)
+from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+
+pytestmark = pytest.mark.timeout(180)
+
+HIT = 8 * BLOCK_SIZE  # tokens
+LONG = 12 * MAX_NUM_BATCHED_TOKENS  # a prompt that takes 12 steps' budget
+
+
+@pytest.mark.parametrize("read_ahead_buffers", [0, 8])
+def test_a_queued_hit_is_read_ahead_and_loaded_in_one_step(
+    tmp_path: Path, read_ahead_buffers: int
+) -> None:
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+        read_ahead_buffers=read_ahead_buffers,
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        clock = FakeClock()
+        costs = connector_costs(engine, clock, 1e-4)
+        prompt = fresh_tokens(HIT + 1)
+        assert first_scheduled(engine, "saved", prompt) == 0
+        worker.wait_for_writes()
+        feed_loads(costs, clock, 1.0)  # loading costs more than computing
+        worker.kv.fill_(-1.0)  # nothing but a load puts those bytes back
+
+        engine.add(create_request("long", fresh_tokens(LONG)))
+        engine.step()  # the long prompt takes every step's budget
+        queued = engine.add(create_request("queued", prompt))
+        connector = engine.scheduler.connector
+        assert isinstance(connector, VineyardConnector)
+        scheduler = connector._scheduler
+        assert scheduler is not None and scheduler._lookup is not None
+        assert scheduler._lookup._jobs["queued"].done.wait(30.0)
+
+        ordered = False
+        while queued.status == RequestStatus.WAITING:
+            record = engine.step()
+            meta = record.scheduler_output.kv_connector_metadata
+            ordered |= any(o.req_id == "queued" for o in meta.read_aheads)  # type: ignore[union-attr]
+            time.sleep(0.02)  # reads go on between steps
+        assert ordered == (read_ahead_buffers > 0)
+        loaded = "queued" in record.loads()
+        assert loaded == (read_ahead_buffers > 0)
+        if not loaded:  # the slow link: computed
+            assert engine.counter("tokens_not_loaded_slow") == HIT
+            return
+        # Loaded in the step that started it, though the link is slow.
+        assert "queued" in (record.kv_output.finished_recving or ())
+        record = engine.run_until(lambda r: r.num_scheduled("queued") > 0)
+        new = record.new_request("queued")
+        assert new is not None and new.num_computed_tokens == HIT
+        block_ids = worker.requests["queued"].block_ids[: HIT // BLOCK_SIZE]
+        assert torch.equal(
+            worker.blocks(block_ids), expected_blocks(prompt, HIT // BLOCK_SIZE)
+        )
+        engine.drain()
+        assert engine.counter("read_ahead_tokens") == HIT
+        assert engine.counter("read_ahead_unused_tokens") == 0
+        assert engine.counter("load_errors") == 0
+        assert engine.counter("tokens_not_loaded_slow") == 0
+    finally:
+        engine.close()
+        worker.close()

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the load pipeline keeps of a load: its segments (the reads, whole
+chunks each), the answers not copied yet, and how far it got. A load read
+ahead for a queued request is the same job before it has blocks to fill."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+
+from vllm.worker.vineyard.backend.client import BackendProcess
+from vllm.worker.vineyard.backend.runs import BackendRun
+from vllm.worker.vineyard.log_limiter import LogLimiter
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Answer:
+    """A segment read and verified into a buffer, not copied yet."""
+
+    buffer: int
+    verified: int  # blocks from the segment's start
+    read_s: float
+    verify_s: float
+
+
+@dataclass
+class SegmentRead:
+    """A segment's read sent to a reader, not answered yet."""
+
+    job: LoadJob
+    segment: int
+    buffer: int
+    reader: BackendProcess
+    run: BackendRun  # the reader's process that got it
+    sent_at: float
+
+
+def segments_of(
+    first: int, end: int, step: int, lead: int = 0
+) -> list[tuple[int, int]]:
+    """Block ranges of the reads of blocks ``[first, end)``: ``step``
+    blocks each, the first ``lead`` blocks on their own."""
+    segments = [(first, min(first + lead, end))] if lead and end > first else []
+    start = min(first + lead, end) if lead else first
+    return segments + [(b, min(b + step, end)) for b in range(start, end, step)]
+
+
+@dataclass
+class LoadJob:
+    """One request's load: which blocks to read (in segments of whole
+    chunks) and to fill, and how far it got. While ``ahead`` it is read
+    ahead for a request still queued: answers are kept, nothing copied."""
+
+    req_id: str
+    ids: list[int]  # vineyard ids of every block read
+    digests: list[bytes]
+    block_ids: list[int]  # the request's KV blocks from token 0
+    start: int  # first block to fill
+    last: int  # end of the blocks to fill
+    segments: list[tuple[int, int]]  # block ranges read per query
+    ahead: bool = False
+    next_segment: int = 0  # the next to read
+    next_copy: int = 0  # the next to copy (answers are copied in order)
+    answers: dict[int, Answer] = field(default_factory=dict)
+    loaded: int = 0  # end of the blocks filled so far
+    # What computing a token costs the engine now (from the scheduler): a
+    # load slower than computing the rest is stopped; None: never stopped.
+    compute_s_per_token: float | None = None
+    cancelled: bool = False
+    fenced: bool = False  # a reset came: nothing it read is used
+    stopped_slow: bool = False  # slower than computing: the rest computed
+    # When its first read went out (a load stopped before its first blocks
+    # arrived prices the link by the time since).
+    first_sent_at: float | None = None
+    finished: bool = False  # reported: answers still in flight are dropped
+    started_at: float = field(default_factory=time.perf_counter)
+    read_s: float = 0.0  # the readers' time reading, verifying; ours copying
+    verify_s: float = 0.0
+    copy_s: float = 0.0
+
+    def runs_slow(
+        self, waiting: SegmentRead | None, now: float, bs: int, first_wait: float
+    ) -> bool:
+        """Whether it runs slower than computing the rest: the blocks read
+        so far took longer per block than computing a block, or ``waiting``
+        (its next answer's read, sent at monotonic time) has taken longer
+        than computing its blocks would (its first: at least ``first_wait``
+        of computing them all)."""
+        c = self.compute_s_per_token
+        done = self.loaded - self.start
+        if c is None:
+            return False
+        if done > 0 and self.read_s + self.verify_s > c * bs * done:
+            return True
+        if waiting is None:
+            return False
+        s, e = self.segments[waiting.segment]
+        blocks = float(e - s)
+        if done == 0:
+            blocks = max(blocks, first_wait * (self.last - self.start))
+        return now - waiting.sent_at > c * bs * blocks
+
+    def ready_end(self) -> int:
+        """The end of the blocks answered whole, in order from the first
+        segment not copied."""
+        if self.next_copy >= len(self.segments):
+            return self.segments[-1][1] if self.segments else self.start
+        end, k = None, self.next_copy
+        while k in self.answers:
+            s, e = self.segments[k]
+            end = s + self.answers[k].verified
+            if end < e:
+                break
+            k += 1
+        return self.segments[self.next_copy][0] if end is None else end
+
+
+class HeldBuffers:
+    """Read buffers of reads given up on, until their process is gone: a
+    reader killed in an uninterruptible filesystem call exits only when the
+    call returns, and its read then still lands in the buffer."""
+
+    def __init__(self, timeout_s: float):
+        self._timeout_s = timeout_s  # a wait that long is logged
+        self._held: list[tuple[int, BackendRun, float]] = []
+        self._log = LogLimiter(logger)
+
+    @property
+    def count(self) -> int:
+        return len(self._held)
+
+    def hold(self, buffer: int, run: BackendRun) -> bool:
+        """Hold ``buffer`` if ``run`` may still write into it."""
+        if not run.may_still_write():
+            return False
+        self._held.append((buffer, run, time.monotonic()))
+        return True
+
+    def take_back(self) -> list[int]:
+        """The held buffers whose process is gone (never waits)."""
+        if not self._held:
+            return []
+        held, self._held, now, freed = self._held, [], time.monotonic(), []
+        for buffer, run, since in held:
+            if run.gone():
+                freed.append(buffer)
+                continue
+            self._held.append((buffer, run, since))
+            if now - since >= self._timeout_s:
+                self._log.warning(
+                    "held",
+                    "vineyard cache reader pid %d was killed %.0f s ago and "
+                    "has not exited (stuck in the filesystem?); its read "
+                    "buffer is not used until it has",
+                    run.pid,
+                    now - since,
+                )
+        return freed

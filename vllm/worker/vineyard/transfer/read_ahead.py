@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Loads read ahead for queued requests (see :meth:`~vllm.worker.vineyard.
+transfer.loads.LoadPipeline.read_ahead`): which requests, within which
+budget of read buffers, how far each got as last reported, and how one
+becomes its request's load."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from vllm.worker.vineyard.storage.digests import synthetic_ids
+from vllm.worker.vineyard.transfer.load_jobs import LoadJob, SegmentRead, segments_of
+
+
+class ReadAheadJobs:
+    """The read-aheads of one load pipeline, oldest first."""
+
+    def __init__(self, budget: int, segment_blocks: int, block_size: int):
+        self.budget = budget  # read buffers they may hold, answered or not
+        self.jobs: dict[str, LoadJob] = {}
+        self._segment_blocks = segment_blocks
+        self._block_size = block_size
+        self._reported: dict[str, tuple[int, int]] = {}
+
+    def add(
+        self, req_id: str, digests: Sequence[bytes], first: int, read_end: int
+    ) -> None:
+        """Read blocks ``[first, read_end)`` ahead for a queued request."""
+        if not self.budget or req_id in self.jobs or read_end <= first:
+            return
+        self.jobs[req_id] = LoadJob(
+            req_id=req_id,
+            ids=synthetic_ids(digests[:read_end]),
+            digests=list(digests[:read_end]),
+            block_ids=[],
+            start=first,
+            last=read_end,
+            segments=segments_of(first, read_end, self._segment_blocks),
+            ahead=True,
+        )
+
+    def sendable(self, in_flight: Iterable[SegmentRead], num_readers: int) -> int:
+        """How many reads ahead may go out now: on one reader fewer than
+        there are (at least one), into at most the budget's buffers."""
+        sent = sum(read.job.ahead for read in in_flight)
+        held = sent + sum(len(job.answers) for job in self.jobs.values())
+        return max(0, min(self.budget - held, max(1, num_readers - 1) - sent))
+
+    def take_news(self) -> dict[str, tuple[int, int]]:
+        """``{req_id: (first token, end)}`` read ahead whole and in order,
+        of the read-aheads that moved on since the last call, and ``(0,
+        0)`` for those that ended (loaded or dropped)."""
+        news, bs = {}, self._block_size
+        for req_id, job in self.jobs.items():
+            ready = (job.segments[0][0] * bs, job.ready_end() * bs)
+            if ready[1] > ready[0] and self._reported.get(req_id) != ready:
+                news[req_id] = self._reported[req_id] = ready
+        for req_id in [r for r in self._reported if r not in self.jobs]:
+            del self._reported[req_id]
+            news[req_id] = (0, 0)
+        return news
+
+    def adopt(
+        self, job: LoadJob, digests: Sequence[bytes], first: int, read_end: int
+    ) -> list[int] | None:
+        """Make a read-ahead the load of blocks ``[first, read_end)`` of its
+        request (the same chunks from ``first`` on): the buffers of answers
+        it no longer needs, to be freed; ``None`` if it cannot serve."""
+        n = min(len(job.digests), read_end)
+        begin, end = job.segments[0][0], job.segments[-1][1]
+        if not (begin <= first < end and job.digests[n - 1] == digests[n - 1]):
+            return None
+        job.ahead = False
+        k0 = next(k for k, (s, e) in enumerate(job.segments) if s <= first < e)
+        keep = [segment for segment in job.segments if segment[0] < read_end]
+        unused = [k for k in job.answers if k < k0 or k >= len(keep)]
+        freed = [job.answers.pop(k).buffer for k in unused]
+        if keep[-1][1] < read_end:
+            keep += segments_of(keep[-1][1], read_end, self._segment_blocks)
+        job.segments = keep
+        job.next_copy = k0
+        job.next_segment = min(max(job.next_segment, k0), len(keep))
+        job.ids = synthetic_ids(digests[:read_end])
+        job.digests = list(digests[:read_end])
+        return freed
