@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Hits queued behind long prompts on a busy engine, with and without
+read-ahead: real vLLM engines (CPU) on a cache root whose reads all cross
+one link of 16 or 64 MB/s, or run at full speed (a FUSE mount,
+``slow_fs.py``, its daemon off the engines' core), side by side in one run.
+
+One batch per engine: two long fresh prompts first (they take every step's
+token budget for several steps), then four prompts of a spread of lengths
+that an earlier engine saved (their hits wait behind the long ones). Per
+model and link, each configuration runs a FRESH engine:
+
+- no cache;
+- this cache without read-ahead (``VINEYARD_CACHE_READ_AHEAD_BUFFERS=0``);
+- this cache with the default read-ahead (4 buffers of a quarter step) and
+  with 16.
+
+Printed per row: the batch's time to its last first token and its ratio
+to no cache, the hits' cached tokens, the tokens read ahead, and the hits'
+mean load time after scheduling (the load sent to the workers until they
+report it finished) in engine steps (a step: ``max_num_batched_tokens`` at
+the engine's measured compute price; target: at most one). Usage::
+
+    python benchmarks/vineyard/benchmark_busy_engine.py [--tiny] \\
+        [--models kv-heavy toy] [--mbps 16 64 0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
+
+from benchmark_engine import MODELS, Plan, engine  # noqa: E402
+from slow_fs import SlowFs  # noqa: E402
+
+from tests import vineyard_toy_model as toy  # noqa: E402
+from vllm.worker.vineyard.metrics import (  # noqa: E402
+    METRIC_PREFIX,
+    histogram_metric_name,
+)
+
+STEP_TOKENS = 512  # max_num_batched_tokens: the long prompts take many steps
+#: Configuration -> (the benchmark's engine configuration, its environment).
+AUTO = {"VINEYARD_CACHE_LOAD_POLICY": "auto"}  # the default (tests load all)
+CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "no cache": ("no cache", {}),
+    "no read-ahead": ("async", {**AUTO, "VINEYARD_CACHE_READ_AHEAD_BUFFERS": "0"}),
+    "read-ahead 4": ("async", AUTO),
+    "read-ahead 16": ("async", {**AUTO, "VINEYARD_CACHE_READ_AHEAD_BUFFERS": "16"}),
+}
+CACHED = [c for c in CONFIGS if c != "no cache"]
+GAUGE = METRIC_PREFIX + "compute_us_per_token"  # the engine's compute price
+
+
+@dataclass(frozen=True)
+class BusyPlan:
+    models: list[str] = field(default_factory=lambda: ["kv-heavy", "toy"])
+    mbps: tuple[float, ...] = (16.0, 64.0, 0.0)  # 0: full speed
+    long_tokens: int = 2048  # each of the two long prompts
+    hit_lengths: tuple[int, ...] = (500, 900, 1400, 2000)
+
+
+TINY = BusyPlan(models=["tiny"], mbps=(4.0, 0.0), long_tokens=1024,
+                hit_lengths=(300, 600))  # fmt: skip
+
+
+def hits_load_steps(run: Any, step_s: float) -> float:
+    """The busy round's hits' mean load time after scheduling, in steps."""
+    name = histogram_metric_name("hit_load_s")
+    count, total = run.rounds[-1].histogram(name)
+    count0, total0 = run.rounds[-2].histogram(name)
+    return (total - total0) / max(1, count - count0) / step_s
+
+
+def run_model(plan: BusyPlan, model: str, path: str, work: Path) -> dict[str, Any]:
+    vocab = MODELS[model].get("vocab_size", 32000)
+    rng = random.Random(5)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    hits = [fresh(n) for n in plan.hit_lengths]
+    longs = [fresh(plan.long_tokens) for _ in range(2)]
+    warm = {"prompts": [fresh(64)], "max_tokens": 1}
+    busy = {"prompts": longs + hits, "max_tokens": 1}
+    engine_plan = replace(
+        Plan(),
+        ttft_lengths=(plan.long_tokens,),
+        random_lengths=0,
+        prompt_tokens=(64, 64),
+        max_tokens=1,
+        max_num_batched_tokens=STEP_TOKENS,
+    )
+    fs = SlowFs(work / f"{model}-fs", direct_io=True)
+    with contextlib.suppress(OSError):  # the daemon off the engines' core
+        others = os.sched_getaffinity(0) ^ set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(fs.proc.pid, others or os.sched_getaffinity(0))
+    rows: list[dict[str, Any]] = []
+    try:
+        root = fs.mount / "cache"
+        engine(engine_plan, path, "async", root, [{"prompts": hits, "max_tokens": 1}],
+               work / f"{model}-fill")  # fmt: skip
+        no_cache = engine(engine_plan, path, "no cache", fs.mount / "none",
+                          [warm, busy], work / f"{model}-no-cache")  # fmt: skip
+        base = no_cache.last
+        for mbps in plan.mbps:
+            fs.set(read_mbps=mbps)
+            for cfg in CACHED:
+                kind, env = CONFIGS[cfg]
+                run = engine(engine_plan, path, kind, root, [warm, busy],
+                             work / f"{model}-{cfg}-{mbps:g}", env)  # fmt: skip
+                r = run.last
+                us_per_token = float(r.metrics.get(GAUGE, 0.0))
+                step_s = us_per_token * 1e-6 * STEP_TOKENS
+                rows.append({
+                    "mbps": mbps,
+                    "config": cfg,
+                    "wall_s": r.wall_s,
+                    "vs_no_cache": r.wall_s / base.wall_s,
+                    "hit_tokens": sum(r.num_cached_tokens[2:]),
+                    "read_ahead_tokens": run.delta(1, "read_ahead_tokens"),
+                    "loads_stopped_slow": run.delta(1, "loads_stopped_slow"),
+                    "load_steps": hits_load_steps(run, step_s) if step_s else None,
+                    "same_answer": r.outputs == base.outputs,
+                })  # fmt: skip
+    finally:
+        fs.close()
+    return {
+        "model": model,
+        "no_cache_wall_s": base.wall_s,
+        "rows": rows,
+        "answers_identical": all(row["same_answer"] for row in rows),
+    }
+
+
+def print_model(res: dict[str, Any]) -> None:
+    print(f"\n{res['model']}: no cache {1e3 * res['no_cache_wall_s']:.0f} ms; "
+          f"answers identical: {res['answers_identical']}")  # fmt: skip
+    print(f"  {'link':>8} {'config':>14} {'batch':>9} {'vs none':>7} "
+          f"{'hit tok':>7} {'ahead':>6} {'stopped':>7} {'load/step':>9}")  # fmt: skip
+    for row in res["rows"]:
+        link = "full" if not row["mbps"] else f"{row['mbps']:g} MB/s"
+        steps = row["load_steps"]
+        print(f"  {link:>8} {row['config']:>14} {1e3 * row['wall_s']:6.0f} ms "
+              f"{row['vs_no_cache']:6.2f}x {row['hit_tokens']:7d} "
+              f"{row['read_ahead_tokens']:6d} {row['loads_stopped_slow']:7d} "
+              f"{'-' if steps is None else f'{steps:.2f}':>9}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS))
+    parser.add_argument("--mbps", type=float, nargs="+", help="links (0: full)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--workdir", help="engines' logs and roots (default: temp)")
+    parser.add_argument(
+        "--model-dir",
+        default=os.path.expanduser("~/.cache/vineyard-llm-cache-bench"),
+    )
+    args = parser.parse_args(argv)
+    plan = TINY if args.tiny else BusyPlan()
+    if args.models:
+        plan = replace(plan, models=args.models)
+    if args.mbps:
+        plan = replace(plan, mbps=tuple(args.mbps))
+    # The engines on the first core (one thread each), like a busy server;
+    # the cache's backends and the link's daemon on the others.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    results = []
+    start = time.perf_counter()
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for model in plan.models:
+            print(f"{model}:", flush=True)
+            path = toy.make_toy_llama(
+                os.path.join(args.model_dir, model), toy.ToyLlamaConfig(**MODELS[model])
+            )
+            res = run_model(plan, model, path, Path(tmp))
+            print_model(res)
+            results.append(res)
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"plan": plan.__dict__, "models": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
