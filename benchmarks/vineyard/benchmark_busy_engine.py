@@ -16,10 +16,10 @@ model and link, each configuration runs a FRESH engine:
   with 16.
 
 Printed per row: the batch's time to its last first token and its ratio
-to no cache, the hits' cached tokens, the tokens read ahead, and the hits'
-mean load time after scheduling (the load sent to the workers until they
-report it finished) in engine steps (a step: ``max_num_batched_tokens`` at
-the engine's measured compute price; target: at most one). Usage::
+to no cache, the hits' loaded tokens, the tokens read ahead, loads stopped for
+slowness, and the hits' mean load time after scheduling (the load sent to
+the workers until they report it finished) in engine steps (a step: no
+cache's batch time over its number of steps; target: at most one). Usage::
 
     python benchmarks/vineyard/benchmark_busy_engine.py [--tiny] \\
         [--models kv-heavy toy] [--mbps 16 64 0] [--json out.json]
@@ -47,10 +47,7 @@ from benchmark_engine import MODELS, Plan, engine  # noqa: E402
 from slow_fs import SlowFs  # noqa: E402
 
 from tests import vineyard_toy_model as toy  # noqa: E402
-from vllm.worker.vineyard.metrics import (  # noqa: E402
-    METRIC_PREFIX,
-    histogram_metric_name,
-)
+from vllm.worker.vineyard.metrics import histogram_metric_name  # noqa: E402
 
 STEP_TOKENS = 512  # max_num_batched_tokens: the long prompts take many steps
 #: Configuration -> (the benchmark's engine configuration, its environment).
@@ -62,7 +59,6 @@ CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
     "read-ahead 16": ("async", {**AUTO, "VINEYARD_CACHE_READ_AHEAD_BUFFERS": "16"}),
 }
 CACHED = [c for c in CONFIGS if c != "no cache"]
-GAUGE = METRIC_PREFIX + "compute_us_per_token"  # the engine's compute price
 
 
 @dataclass(frozen=True)
@@ -116,6 +112,9 @@ def run_model(plan: BusyPlan, model: str, path: str, work: Path) -> dict[str, An
         no_cache = engine(engine_plan, path, "no cache", fs.mount / "none",
                           [warm, busy], work / f"{model}-no-cache")  # fmt: skip
         base = no_cache.last
+        # A step: no cache's batch time over its steps (all prefill).
+        tokens = 2 * plan.long_tokens + sum(plan.hit_lengths)
+        step_s = base.wall_s / -(-tokens // STEP_TOKENS)
         for mbps in plan.mbps:
             fs.set(read_mbps=mbps)
             for cfg in CACHED:
@@ -123,17 +122,15 @@ def run_model(plan: BusyPlan, model: str, path: str, work: Path) -> dict[str, An
                 run = engine(engine_plan, path, kind, root, [warm, busy],
                              work / f"{model}-{cfg}-{mbps:g}", env)  # fmt: skip
                 r = run.last
-                us_per_token = float(r.metrics.get(GAUGE, 0.0))
-                step_s = us_per_token * 1e-6 * STEP_TOKENS
                 rows.append({
                     "mbps": mbps,
                     "config": cfg,
                     "wall_s": r.wall_s,
                     "vs_no_cache": r.wall_s / base.wall_s,
-                    "hit_tokens": sum(r.num_cached_tokens[2:]),
+                    "loaded_tokens": run.delta(1, "loaded_tokens"),
                     "read_ahead_tokens": run.delta(1, "read_ahead_tokens"),
                     "loads_stopped_slow": run.delta(1, "loads_stopped_slow"),
-                    "load_steps": hits_load_steps(run, step_s) if step_s else None,
+                    "load_steps": hits_load_steps(run, step_s),
                     "same_answer": r.outputs == base.outputs,
                 })  # fmt: skip
     finally:
@@ -141,23 +138,25 @@ def run_model(plan: BusyPlan, model: str, path: str, work: Path) -> dict[str, An
     return {
         "model": model,
         "no_cache_wall_s": base.wall_s,
+        "step_s": step_s,
         "rows": rows,
         "answers_identical": all(row["same_answer"] for row in rows),
     }
 
 
 def print_model(res: dict[str, Any]) -> None:
-    print(f"\n{res['model']}: no cache {1e3 * res['no_cache_wall_s']:.0f} ms; "
+    print(f"\n{res['model']}: no cache {1e3 * res['no_cache_wall_s']:.0f} ms "
+          f"(a step {1e3 * res['step_s']:.0f} ms); "
           f"answers identical: {res['answers_identical']}")  # fmt: skip
     print(f"  {'link':>8} {'config':>14} {'batch':>9} {'vs none':>7} "
-          f"{'hit tok':>7} {'ahead':>6} {'stopped':>7} {'load/step':>9}")  # fmt: skip
+          f"{'loaded':>7} {'ahead':>6} {'stopped':>7} {'load/step':>9}")  # fmt: skip
     for row in res["rows"]:
         link = "full" if not row["mbps"] else f"{row['mbps']:g} MB/s"
-        steps = row["load_steps"]
+        steps = row["load_steps"]  # the hits' mean load after scheduling
         print(f"  {link:>8} {row['config']:>14} {1e3 * row['wall_s']:6.0f} ms "
-              f"{row['vs_no_cache']:6.2f}x {row['hit_tokens']:7d} "
+              f"{row['vs_no_cache']:6.2f}x {row['loaded_tokens']:7d} "
               f"{row['read_ahead_tokens']:6d} {row['loads_stopped_slow']:7d} "
-              f"{'-' if steps is None else f'{steps:.2f}':>9}")  # fmt: skip
+              f"{steps:9.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
