@@ -29,20 +29,24 @@ BUDGET = 3  # read-ahead buffers: fewer than the hit's segments below
 
 def read_ahead_held(loads: LoadPipeline) -> int:
     """Read buffers a read-ahead holds: answered, or read into now."""
-    in_flight = sum(read.job.ahead for read in loads._in_flight)
+    in_flight = sum(read.count for read in loads._in_flight if read.job.ahead)
     return in_flight + sum(len(j.answers) for j in loads._ahead.jobs.values())
 
 
-def read_ahead_until_settled(h: CacheHarness) -> dict[str, tuple[int, int]]:
-    """Poll as a worker does each step until no read is in flight; the
-    read-ahead progress reported meanwhile (the last per request)."""
-    loads, news = h.cache.loads, {}
+def read_ahead_until_settled(
+    h: CacheHarness,
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """Poll as a worker does each step until no read is in flight: the
+    read-ahead progress reported meanwhile (the last per request), and the
+    most segments one read ahead took."""
+    loads, news, most = h.cache.loads, {}, 0
     for _ in range(500):
         loads.poll()
         news.update(loads.take_read_ahead())
         assert read_ahead_held(loads) <= BUDGET
+        most = max([most] + [read.count for read in loads._in_flight])
         if not loads._in_flight:
-            return news
+            return news, most
         time.sleep(0.01)
     raise AssertionError("read-ahead did not settle")
 
@@ -64,17 +68,19 @@ def test_a_load_read_ahead_has_its_blocks_when_it_starts(
     saved: tuple[CacheHarness, list[int], list[int]], local_chunks: int
 ):
     """While queued, the first chunks of the hit are read within the
-    budget and nothing is copied; once its load starts (from vLLM's local
-    hit, maybe further on), they are copied at once, the rest is read as
-    usual, and the blocks are bit-exact."""
+    budget and nothing is copied (once the first read is timed, a read
+    fills several buffers back to back); once its load starts (from vLLM's
+    local hit, maybe further on), they are copied at once, the rest is
+    read as usual, and the blocks are bit-exact."""
     h, tokens, src = saved
     loads, total = h.cache.loads, 5 * CHUNK_SIZE
     digests = h.digests(tokens)
     dst = h.blocks_for(DST_BLOCK, total)
     before = h.kv.clone()
     loads.read_ahead("q", digests, 0, total)
-    news = read_ahead_until_settled(h)
+    news, most = read_ahead_until_settled(h)
     assert news == {"q": (0, BUDGET * CHUNK_SIZE)}  # the budget's worth
+    assert most == BUDGET - 1  # the first read alone, then the rest at once
     assert same_bits(h.kv, before)  # nothing copied while queued
     assert len(loads._free_buffers) == h.cache.num_readers + 1
 

@@ -216,8 +216,9 @@ class UpdateRequest(Request[UpdateReply]):
 @dataclass(frozen=True)
 class QueryRequest(Request[QueryReply]):
     """Read the cached leading chunks of ``ids`` (which follow ``prefix``)
-    into buffer ``buffer_id`` from entry 0 and verify them; a hit is a use
-    of them, and with ``touch_prefix`` of the prefix's chunks too."""
+    into buffer ``buffer_id`` (and the ``num_buffers - 1`` after it, back to
+    back) from entry 0 and verify them; a hit is a use of them, and with
+    ``touch_prefix`` of the prefix's chunks too."""
 
     op: ClassVar[str] = "query"
     reply_type: ClassVar[type[Any]] = QueryReply
@@ -226,6 +227,7 @@ class QueryRequest(Request[QueryReply]):
     ids: list[int]
     digests: list[bytes]
     touch_prefix: bool = False
+    num_buffers: int = 1
 
 
 @dataclass(frozen=True)

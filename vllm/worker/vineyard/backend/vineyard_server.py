@@ -299,14 +299,15 @@ class VineyardServer:
         it is on disk, is deleted and counted, unless it is another
         prefix's valid chunk (a hash collision: counted, left in place)."""
         prefix, ids, digests = request.prefix, request.ids, request.digests
-        views = self._views[request.buffer_id]
+        buffers = range(request.buffer_id, request.buffer_id + request.num_buffers)
+        views = [view for b in buffers for view in self._views[b]]
         bpc = self._spec.blocks_per_chunk
         for view in views[: len(ids)]:
             Sealer.clear(view)
         # vineyard opens what it finds at a chunk's path, following links
         # and blocking on a FIFO: read only up to the first such entry.
         ids = ids[: self._regular_chunks(prefix, ids)]
-        kv = self._kv_lists[request.buffer_id][: len(ids)]
+        kv = [entry for b in buffers for entry in self._kv_lists[b]][: len(ids)]
         started = time.perf_counter()
         found = int(self._cache.query(prefix, ids, kv)) if ids else 0
         found = min(found, len(ids)) // bpc * bpc

@@ -30,7 +30,8 @@ class Answer:
 
 @dataclass
 class SegmentRead:
-    """A segment's read sent to a reader, not answered yet."""
+    """A read sent to a reader, not answered yet: ``count`` segments from
+    ``segment`` into as many buffers from ``buffer`` (back to back)."""
 
     job: LoadJob
     segment: int
@@ -38,6 +39,11 @@ class SegmentRead:
     reader: BackendProcess
     run: BackendRun  # the reader's process that got it
     sent_at: float
+    count: int = 1
+
+    @property
+    def buffers(self) -> range:
+        return range(self.buffer, self.buffer + self.count)
 
 
 def segments_of(
@@ -99,11 +105,39 @@ class LoadJob:
             return True
         if waiting is None:
             return False
-        s, e = self.segments[waiting.segment]
+        s = self.segments[waiting.segment][0]
+        e = self.segments[min(waiting.segment + waiting.count, len(self.segments)) - 1][
+            1
+        ]
         blocks = float(e - s)
         if done == 0:
             blocks = max(blocks, first_wait * (self.last - self.start))
         return now - waiting.sent_at > c * bs * blocks
+
+    def take_answer(
+        self, read: SegmentRead, verified: int, read_s: float, verify_s: float
+    ) -> list[int]:
+        """Keep the answer to ``read`` (``verified`` blocks from its first
+        segment's start) as one per segment and buffer; returns the buffers
+        not needed (the job ended, or they hold what it copied already)."""
+        n = len(self.segments)
+        if self.finished or read.segment >= n:
+            return list(read.buffers)
+        first = self.segments[read.segment][0]
+        last = self.segments[min(read.segment + read.count, n) - 1][1]
+        unused = []
+        for i, buffer in enumerate(read.buffers):
+            k = read.segment + i
+            if not self.next_copy <= k < n:
+                unused.append(buffer)
+                continue
+            s, e = self.segments[k]
+            got = max(0, min(e - s, first + verified - s))
+            share = (e - s) / max(1, last - first)
+            self.answers[k] = Answer(buffer, got, read_s * share, verify_s * share)
+            if got < e - s:
+                self.next_segment = n  # no reads past it
+        return unused
 
     def ready_end(self) -> int:
         """The end of the blocks answered whole, in order from the first

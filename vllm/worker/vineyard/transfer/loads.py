@@ -28,13 +28,12 @@ from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.transfer.backends import BackendCalls
 from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
 from vllm.worker.vineyard.transfer.load_jobs import (
-    Answer,
     HeldBuffers,
     LoadJob,
     SegmentRead,
     segments_of,
 )
-from vllm.worker.vineyard.transfer.read_ahead import ReadAheadJobs
+from vllm.worker.vineyard.transfer.read_ahead import ReadAheadJobs, free_run
 from vllm.worker.vineyard.transfer.staging import ReadBuffers
 
 logger = init_logger(__name__)
@@ -243,9 +242,8 @@ class LoadPipeline:
         return req_id in self._jobs
 
     def take_load_times(self) -> list[tuple[int, float]]:
-        """``(blocks, seconds)`` of the loads (and read-aheads) finished
-        since the last call: the readers' time reading and verifying them
-        (stopped with nothing loaded: the time since the first read)."""
+        """``(blocks, seconds)`` of the loads and read-aheads finished since
+        the last call, by their readers (or since a stopped one's read)."""
         times, self._load_times = self._load_times, []
         return times
 
@@ -304,15 +302,12 @@ class LoadPipeline:
                 self._release(read)
                 (self._drop if job.ahead else self._finish)(job)
                 continue
-            k = read.segment
-            if job.finished or not job.next_copy <= k < len(job.segments):
-                self._free_buffers.append(read.buffer)  # not needed now
-                continue
-            verified = reply.verified
-            job.answers[k] = Answer(read.buffer, verified, reply.read_s, reply.verify_s)
-            if verified < job.segments[k][1] - job.segments[k][0]:
-                job.next_segment = len(job.segments)  # no reads past it
-            if not job.ahead:
+            self._free_buffers.extend(
+                job.take_answer(read, reply.verified, reply.read_s, reply.verify_s)
+            )
+            if job.ahead:
+                self._ahead.timed(reply.verified, reply.read_s + reply.verify_s)
+            else:
                 # The readers' next reads overlap the copy.
                 self._send_reads()
                 self._copy_answers(job)
@@ -401,47 +396,52 @@ class LoadPipeline:
         """Reads ahead, oldest request first, while no load waits to read."""
         if self._queue:
             return
-        sendable = self._ahead.sendable(self._in_flight, len(self._readers))
+        reads, buffers = self._ahead.sendable(self._in_flight, len(self._readers))
         for job in list(self._ahead.jobs.values()):
-            while sendable and idle and self._free_buffers:
-                if job.next_segment >= len(job.segments):
-                    break
-                sendable -= self._send(job, idle)
+            left = len(job.segments) - job.next_segment
+            while reads and idle and left and min(buffers, len(self._free_buffers)):
+                count = self._ahead.read_size(min(buffers, left))
+                first, count = free_run(self._free_buffers, count)
+                if self._send(job, idle, first, count):
+                    reads, buffers, left = reads - 1, buffers - count, left - count
 
-    def _send(self, job: LoadJob, idle: list[BackendProcess]) -> bool:
-        """Send the job's next read to the first idle reader (taken off
-        ``idle``), into the first free buffer."""
-        k = job.next_segment
-        s, e = job.segments[k]
-        reader, buffer = idle.pop(0), self._free_buffers[0]
-        event = self._events[buffer]
-        if event is not None:
-            event.synchronize()  # the buffer's last copy is done
+    def _send(
+        self, job: LoadJob, idle: list[BackendProcess], first: int = -1, count: int = 1
+    ) -> bool:
+        """Send the job's next read (``count`` segments) to the first idle
+        reader (taken off ``idle``), into the first free buffer (or ``count``
+        from buffer ``first``)."""
+        k, reader = job.next_segment, idle.pop(0)
+        s, e = job.segments[k][0], job.segments[k + count - 1][1]
+        first = self._free_buffers[0] if first < 0 else first
+        for b in range(first, first + count):
+            event = self._events[b]
+            if event is not None:
+                event.synchronize()  # the buffer's last copy is done
         try:
+            # The load's first read marks the prefix used too.
             request = QueryRequest(
-                buffer,
-                job.ids[:s],
-                job.ids[s:e],
-                job.digests[s:e],
-                k == 0,  # the load's first read marks the prefix used too
+                first, job.ids[:s], job.ids[s:e], job.digests[s:e], k == 0, count
             )
             run = self._calls.send(reader, request)
         except BackendError as e:
             logger.warning("vineyard cache reader failed: %s", e)
             return False  # to another reader, if one is idle
-        self._free_buffers.popleft()
-        job.next_segment = k + 1
+        read = SegmentRead(job, k, first, reader, run, time.monotonic(), count)
+        for b in read.buffers:
+            self._free_buffers.remove(b)
+        job.next_segment = k + count
         if job.first_sent_at is None:
             job.first_sent_at = time.perf_counter()
-        read = SegmentRead(job, k, buffer, reader, run, time.monotonic())
         self._in_flight.append(read)
         return True
 
     def _release(self, read: SegmentRead) -> None:
-        """The buffer of a read that failed: free, unless its process may
-        still write into it (see :class:`HeldBuffers`)."""
-        if not self._held.hold(read.buffer, read.run):
-            self._free_buffers.append(read.buffer)
+        """The buffers of a read that failed: free, unless its process may
+        still write into them (see :class:`HeldBuffers`)."""
+        for b in read.buffers:
+            if not self._held.hold(b, read.run):
+                self._free_buffers.append(b)
 
     def _finish(self, job: LoadJob) -> None:
         """Report ``job`` finished (once), with what it loaded."""

@@ -12,6 +12,10 @@ from collections.abc import Iterable, Sequence
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.transfer.load_jobs import LoadJob, SegmentRead, segments_of
 
+#: How long one read ahead is expected to take, at most: a load that comes
+#: meanwhile waits for the reader about that long.
+READ_S = 0.1
+
 
 class ReadAheadJobs:
     """The read-aheads of one load pipeline, oldest first."""
@@ -22,6 +26,7 @@ class ReadAheadJobs:
         self._segment_blocks = segment_blocks
         self._block_size = block_size
         self._reported: dict[str, tuple[int, int]] = {}
+        self._segment_s: float | None = None  # a segment's read, lately
 
     def add(
         self, req_id: str, digests: Sequence[bytes], first: int, read_end: int
@@ -40,12 +45,29 @@ class ReadAheadJobs:
             ahead=True,
         )
 
-    def sendable(self, in_flight: Iterable[SegmentRead], num_readers: int) -> int:
-        """How many reads ahead may go out now: on one reader fewer than
-        there are (at least one), into at most the budget's buffers."""
-        sent = sum(read.job.ahead for read in in_flight)
-        held = sent + sum(len(job.answers) for job in self.jobs.values())
-        return max(0, min(self.budget - held, max(1, num_readers - 1) - sent))
+    def sendable(
+        self, in_flight: Iterable[SegmentRead], num_readers: int
+    ) -> tuple[int, int]:
+        """How many reads ahead may go out now, into how many buffers: on
+        one reader fewer than there are (at least one), within the budget."""
+        ahead = [read for read in in_flight if read.job.ahead]
+        held = sum(read.count for read in ahead)
+        held += sum(len(job.answers) for job in self.jobs.values())
+        reads = max(0, max(1, num_readers - 1) - len(ahead))
+        return reads, max(0, self.budget - held)
+
+    def timed(self, blocks: int, seconds: float) -> None:
+        """A read ahead answered: what a segment costs now."""
+        if blocks:
+            self._segment_s = seconds / blocks * self._segment_blocks
+
+    def read_size(self, most: int) -> int:
+        """Segments one read ahead takes: as many as are expected to take at
+        most :data:`READ_S` (one, until a read is timed): a load that comes
+        meanwhile waits for the reader at most about that long."""
+        if self._segment_s is None:
+            return 1
+        return max(1, min(most, int(READ_S / max(self._segment_s, 1e-6))))
 
     def take_news(self) -> dict[str, tuple[int, int]]:
         """``{req_id: (first token, end)}`` read ahead whole and in order,
@@ -84,3 +106,16 @@ class ReadAheadJobs:
         job.ids = synthetic_ids(digests[:read_end])
         job.digests = list(digests[:read_end])
         return freed
+
+
+def free_run(free: Iterable[int], count: int) -> tuple[int, int]:
+    """The longest run of buffers back to back among ``free`` (at least
+    one), at most ``count``: its first buffer and its length."""
+    buffers = sorted(free)
+    best, start = (buffers[0], 1), 0
+    for i in range(1, len(buffers) + 1):
+        if i == len(buffers) or buffers[i] != buffers[i - 1] + 1:
+            if i - start > best[1]:
+                best = (buffers[start], i - start)
+            start = i
+    return best[0], min(best[1], count)
