@@ -184,6 +184,14 @@ class LoadCosts:
         per_token = self._steps.per_token()
         return None if per_token is None else per_token * tokens
 
+    def loads_longer_than(self, hit_tokens: int, step_tokens: int) -> bool:
+        """Whether loading ``hit_tokens`` is expected to take longer than a
+        step of ``step_tokens`` (or either is not known yet): then a queued
+        request's hit is worth reading ahead."""
+        load_s = self.load_s(hit_tokens // self.block_size)
+        step_s = self.compute_s(step_tokens)
+        return load_s is None or step_s is None or load_s > step_s
+
     def loads_may_win(self) -> bool:
         """Whether a hit of any length may be loaded now: not while loading
         a token is known to cost more than computing it, unless a probe is

@@ -19,6 +19,9 @@ from vllm.worker.vineyard.connector.metadata import ReadAheadOrder
 from vllm.worker.vineyard.connector.request_state import RequestState
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm.worker.vineyard.connector.load_costs import LoadCosts
     from vllm.worker.vineyard.connector.lookups import BackgroundLookups
 
 #: Block digests this instance computed or loaded lately, at most: where a
@@ -56,10 +59,19 @@ class ReadAheads:
         while len(self._local) > MAX_LOCAL_DIGESTS:
             self._local.popitem(last=False)
 
-    def orders(self, lookups: BackgroundLookups, chunk: int) -> list[ReadAheadOrder]:
+    def orders(
+        self,
+        lookups: BackgroundLookups,
+        chunk: int,
+        costs: LoadCosts,
+        step: SchedulerOutput,
+    ) -> list[ReadAheadOrder]:
         """Read-aheads for the requests still queued whose lookups found
-        more than vLLM likely holds: from the first chunk vLLM does not
-        hold (as far as this instance knows) to the end of the hit."""
+        more than vLLM likely holds, from the first chunk vLLM does not
+        hold (as far as this instance knows) to the end of the hit, where
+        loading it is expected to take longer than a step like this one
+        (else its load ends in the step that starts it anyway, and reading
+        ahead would only take the readers and the link from others)."""
         orders, bs = [], self._block_size
         for req_id, state in list(self._queued.items()):
             request = state.request
@@ -77,7 +89,10 @@ class ReadAheads:
             ):
                 local += 1
             start = local * chunk
-            if hit_end - start >= chunk:
+            tokens = step.total_num_scheduled_tokens
+            if hit_end - start >= chunk and costs.loads_longer_than(
+                hit_end - start, tokens
+            ):
                 read_end = -(-hit_end // chunk) * bpc
                 orders.append(
                     ReadAheadOrder(req_id, digests[:read_end], start, hit_end)

@@ -283,8 +283,7 @@ class VineyardConnectorScheduler:
         state.load = (min(max(start, state.held_from * self.block_size), end), end)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Learn from the workers: loads finished or short, saves, which
-        ranks can load, what they read ahead."""
+        """Learn from the workers: loads, saves, readers, read-aheads."""
         self._forward_passes_ended()
         self._costs.step_finished()
         if output.invalid_block_ids:
@@ -360,7 +359,9 @@ class VineyardConnectorScheduler:
         meta.requests.extend(self._load_deltas())
         for delta in meta.requests:
             self._read_aheads.computed(delta.new_digests)
-        meta.read_aheads = self._read_aheads.orders(self._lookup, self.chunk_size)
+        meta.read_aheads = self._read_aheads.orders(
+            self._lookup, self.chunk_size, self._costs, scheduler_output
+        )
         return meta
 
     def _scheduled_deltas(
@@ -413,8 +414,7 @@ class VineyardConnectorScheduler:
 
     def _load_deltas(self) -> list[RequestDelta]:
         """Requests allocated this step and waiting for their KV: the
-        workers load it (every chunk a load reads, a chunk it ends inside
-        included)."""
+        workers load every chunk a load reads (the last one included)."""
         chunk, deltas = self.chunk_size, []
         for req_id, state in self._requests.items():
             if state.load is None:
