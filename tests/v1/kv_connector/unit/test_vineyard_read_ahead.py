@@ -39,6 +39,10 @@ pytestmark = pytest.mark.timeout(180)
 
 HIT = 8 * BLOCK_SIZE  # tokens
 LONG = 12 * MAX_NUM_BATCHED_TOKENS  # a prompt that takes 12 steps' budget
+#: Computing is priced slow enough (160 ms per block) that a real read on a
+#: busy machine is never judged slower than computing (a load stopped as
+#: slow loads less than its hit).
+COMPUTE_S_PER_TOKEN = 1e-2
 
 
 @pytest.mark.parametrize(
@@ -62,7 +66,7 @@ def test_a_queued_hit_is_read_ahead_and_loaded_in_one_step(
     engine = Engine(create_scheduler(config), worker)
     try:
         clock = FakeClock()
-        costs = connector_costs(engine, clock, 1e-4)
+        costs = connector_costs(engine, clock, COMPUTE_S_PER_TOKEN)
         prompt = fresh_tokens(HIT + 1)
         assert first_scheduled(engine, "saved", prompt) == 0
         worker.wait_for_writes()

@@ -95,13 +95,16 @@ class LoadJob:
         """Whether it runs slower than computing the rest: the blocks read
         so far took longer per block than computing a block, or ``waiting``
         (its next answer's read, sent at monotonic time) has taken longer
-        than computing its blocks would (its first: at least ``first_wait``
-        of computing them all)."""
+        than computing its blocks would. Never before its reads took
+        ``first_wait`` of computing all its blocks: one chunk's time is
+        mostly a file's latency, which a busy filesystem varies by tens of
+        milliseconds (a stop costs computing them all)."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
             return False
-        if done > 0 and self.read_s + self.verify_s > c * bs * done:
+        least = first_wait * (self.last - self.start)
+        if done > 0 and self.read_s + self.verify_s > c * bs * max(done, least):
             return True
         if waiting is None:
             return False
@@ -111,7 +114,7 @@ class LoadJob:
         ]
         blocks = float(e - s)
         if done == 0:
-            blocks = max(blocks, first_wait * (self.last - self.start))
+            blocks = max(blocks, least)
         return now - waiting.sent_at > c * bs * blocks
 
     def take_answer(
