@@ -35,19 +35,26 @@ def read_ahead_held(loads: LoadPipeline) -> int:
 
 
 def read_ahead_until_settled(
-    h: CacheHarness,
-) -> tuple[dict[str, tuple[int, int]], int]:
+    h: CacheHarness, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, tuple[int, int]], list[int]]:
     """Poll as a worker does each step until no read is in flight: the
     read-ahead progress reported meanwhile (the last per request), and the
-    most segments one read ahead took."""
-    loads, news, most = h.cache.loads, {}, 0
+    segments each read ahead took, as sent."""
+    loads, news, sizes = h.cache.loads, {}, []
+    send = loads._send
+
+    def recorded_send(job, idle, first=-1, count=1):
+        if job.ahead:
+            sizes.append(count)
+        return send(job, idle, first, count)
+
+    monkeypatch.setattr(loads, "_send", recorded_send)
     for _ in range(500):
         loads.poll()
         news.update(loads.take_read_ahead())
         assert read_ahead_held(loads) <= BUDGET
-        most = max([most] + [read.count for read in loads._in_flight])
         if not loads._in_flight:
-            return news, most
+            return news, sizes
         time.sleep(0.01)
     raise AssertionError("read-ahead did not settle")
 
@@ -84,9 +91,9 @@ def test_a_load_read_ahead_has_its_blocks_when_it_starts(
     dst = h.blocks_for(DST_BLOCK, total)
     before = h.kv.clone()
     loads.read_ahead("q", digests, 0, total)
-    news, most = read_ahead_until_settled(h)
+    news, sizes = read_ahead_until_settled(h, monkeypatch)
     assert news == {"q": (0, BUDGET * CHUNK_SIZE)}  # the budget's worth
-    assert most == BUDGET - 1  # the first read alone, then the rest at once
+    assert sizes == [1, BUDGET - 1]  # the first read alone, then the rest at once
     assert same_bits(h.kv, before)  # nothing copied while queued
     assert len(loads._free_buffers) == h.cache.num_readers + 1
 
@@ -145,6 +152,7 @@ def test_a_read_ahead_never_used_frees_every_buffer(
 
 def test_a_read_ahead_of_other_chunks_is_dropped_and_the_load_is_whole(
     saved: tuple[CacheHarness, list[int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ):
     """A load that starts before the read-ahead's first chunk (vLLM's
     local hit was evicted meanwhile) reads everything itself; and real
@@ -159,7 +167,7 @@ def test_a_read_ahead_of_other_chunks_is_dropped_and_the_load_is_whole(
     assert h.load(tokens, 0, total, dst) == total
     h.check_loaded(before, src[: total // h.block_size], dst)
 
-    read_ahead_until_settled(h)
+    read_ahead_until_settled(h, monkeypatch)
     before = h.kv.clone()
     loads.start("q", digests, 0, total, dst)
     loads.poll(wait=True)
