@@ -93,12 +93,13 @@ class LoadJob:
         self, waiting: SegmentRead | None, now: float, bs: int, first_wait: float
     ) -> bool:
         """Whether it runs slower than computing the rest: the blocks read
-        so far took longer per block than computing a block, or ``waiting``
-        (its next answer's read, sent at monotonic time) has taken longer
-        than computing its blocks would. Never before its reads took
-        ``first_wait`` of computing all its blocks: one chunk's time is
-        mostly a file's latency, which a busy filesystem varies by tens of
-        milliseconds (a stop costs computing them all)."""
+        so far took longer per block than computing a block (judged once
+        its reads took ``first_wait`` of computing all its blocks: one
+        chunk's time is mostly a file's latency, which a busy filesystem
+        varies by tens of milliseconds), or ``waiting`` (its next answer's
+        read, sent at monotonic time) has taken longer than computing its
+        blocks would (its first: at least ``first_wait`` of computing them
+        all)."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
