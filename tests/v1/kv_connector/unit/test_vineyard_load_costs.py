@@ -245,15 +245,26 @@ def test_a_restarted_engine_starts_from_the_remembered_prices(
 # ---- on vLLM's real Scheduler -----------------------------------------------
 
 
+def wait_for_probe(costs: LoadCosts) -> None:
+    probes = costs.probes
+    assert probes is not None
+    deadline = time.monotonic() + 30.0
+    while probes.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not probes.busy
+
+
 def connector_costs(
     engine: Engine, clock: FakeClock, compute_s_per_token: float
 ) -> LoadCosts:
     """The scheduler's estimates on ``clock``, fed by the test alone as
-    far as computing goes (the fake forward passes take no time)."""
+    far as computing goes (the fake forward passes take no time), once the
+    probe at the engine's start ended."""
     connector = engine.scheduler.connector
     assert isinstance(connector, VineyardConnector)
     assert connector._scheduler is not None
     costs = connector._scheduler._costs
+    wait_for_probe(costs)
     costs._clock = clock
     feed_compute(costs, clock, compute_s_per_token)
     costs.step_scheduled = lambda num_tokens: None  # type: ignore[method-assign]
@@ -312,14 +323,48 @@ def test_the_decision_on_the_real_scheduler(tmp_path: Path) -> None:
         # The link is priced by a timed read of the hit's chunk files in a
         # lookup process; the hit is computed meanwhile.
         assert first_scheduled(engine, "probe", prompt) == 0
-        probes = costs.probes
-        assert probes is not None
-        deadline = time.monotonic() + 30.0
-        while probes.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not probes.busy
+        wait_for_probe(costs)
         assert first_scheduled(engine, "after-probe", prompt) == HIT
         assert engine.counter("load_errors") == 0
+    finally:
+        engine.close()
+        worker.close()
+
+
+def test_an_engine_prices_the_link_at_its_start(tmp_path: Path) -> None:
+    """A restarted engine's predecessor remembered a slow link; the link is
+    fast now. The new engine reads some chunk files as it starts, so its
+    first hit is loaded (not computed while a probe runs, as it would be on
+    the remembered price)."""
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    prompt = fresh_tokens(HIT + 1)
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        clock = FakeClock()
+        costs = connector_costs(engine, clock, 1e-2)
+        assert costs.load_s(1) is None  # an empty root: no price
+        assert first_scheduled(engine, "saved", prompt) == 0
+        worker.wait_for_writes()
+        feed_loads(costs, clock, 1.0)  # slow: remembered at shutdown
+    finally:
+        engine.close()
+        worker.close()
+
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        costs = connector_costs(engine, FakeClock(), 1e-2)
+        assert costs.loads_may_win()  # the probe's price replaced the old
+        load_s = costs.load_s(1)
+        assert load_s is not None and load_s < 1e-2 * BLOCK_SIZE
+        assert first_scheduled(engine, "restarted", prompt) == HIT
+        assert engine.counter("tokens_not_loaded_slow") == 0
     finally:
         engine.close()
         worker.close()

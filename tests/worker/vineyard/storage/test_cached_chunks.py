@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The link probe's timed read (:func:`time_chunk_reads`): whole chunk
-files of a prefix, in order, up to a byte budget, stopping at the first
-missing or empty (placeholder) file."""
+"""The link probe's timed reads: whole chunk files of a prefix, in order,
+up to a byte budget, stopping at the first missing or empty (placeholder)
+file (:func:`time_chunk_reads`); or, at an engine's start, whichever chunk
+files the namespace lists, in either layout (:func:`time_any_chunk_reads`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm.worker.vineyard.storage.cached_chunks import time_chunk_reads
+from vllm.worker.vineyard.storage.cached_chunks import (
+    time_any_chunk_reads,
+    time_chunk_reads,
+)
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 
 BPC = 2  # blocks per chunk
@@ -48,3 +52,37 @@ def test_reads_whole_files_in_order(
 def test_a_missing_first_chunk_reads_nothing(tmp_path: Path) -> None:
     files = ChunkFiles(str(tmp_path), BPC, ENTRY)
     assert time_chunk_reads(files, IDS, 6, 1 << 30)[0] == 0
+
+
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize(
+    ("max_chunks", "max_bytes", "blocks"),
+    [
+        (16, 1 << 30, 4 * BPC),  # every chunk, not the placeholder
+        (3, 1 << 30, 3 * BPC),
+        (16, 1, BPC),
+    ],
+)
+def test_any_chunk_files_are_read(
+    tmp_path: Path, flat: bool, max_chunks: int, max_bytes: int, blocks: int
+) -> None:
+    files = ChunkFiles(str(tmp_path / "ns"), BPC, ENTRY, flat=flat)
+    for k in range(5):  # four chunks and a placeholder
+        ids = IDS[: (k + 1) * BPC]
+        path = Path(files.path(ids))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0" * files.file_bytes(len(ids)) if k < 4 else b"")
+    # Not chunk files: skipped unread.
+    (tmp_path / "ns" / "notes.txt").write_bytes(b"x" * 100)
+    (tmp_path / "ns" / "abcdefgh").write_bytes(b"x" * 100)  # not hex
+    read, seconds = time_any_chunk_reads(files, max_chunks, max_bytes)
+    assert read == blocks
+    assert seconds > 0.0
+
+
+def test_a_namespace_without_chunks_reads_nothing(tmp_path: Path) -> None:
+    missing = ChunkFiles(str(tmp_path / "missing"), BPC, ENTRY)
+    assert time_any_chunk_reads(missing, 16, 1 << 30) == (0, 0.0)
+    (tmp_path / "empty").mkdir()
+    empty = ChunkFiles(str(tmp_path / "empty"), BPC, ENTRY, flat=False)
+    assert time_any_chunk_reads(empty, 16, 1 << 30) == (0, 0.0)

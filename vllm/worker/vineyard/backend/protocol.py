@@ -254,9 +254,9 @@ class LookupRequest(Request[LookupReply]):
 
 @dataclass(frozen=True)
 class ProbeRequest(Request[ProbeReply]):
-    """Read the first chunk files of ``ids`` (rank 0's), at most
-    ``max_chunks`` and about ``max_bytes``, timed: the link's price (a
-    lookup process's request)."""
+    """Read the first chunk files of ``ids`` (rank 0's), or with no ``ids``
+    those its namespace lists first, at most ``max_chunks`` and about
+    ``max_bytes``, timed: the link's price (a lookup process's request)."""
 
     op: ClassVar[str] = "probe"
     reply_type: ClassVar[type[Any]] = ProbeReply

@@ -47,6 +47,7 @@ from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.cached_chunks import (
     count_cached_chunks,
+    time_any_chunk_reads,
     time_chunk_reads,
 )
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
@@ -85,14 +86,11 @@ class _LookupServer:
             )
             return LookupReply(cached, counts)
         if isinstance(request, ProbeRequest):
-            return ProbeReply(
-                *time_chunk_reads(
-                    self._rank_files[0],
-                    request.ids,
-                    request.max_chunks,
-                    request.max_bytes,
-                )
-            )
+            files, ids = self._rank_files[0], request.ids
+            n, max_bytes = request.max_chunks, request.max_bytes
+            if not ids:
+                return ProbeReply(*time_any_chunk_reads(files, n, max_bytes))
+            return ProbeReply(*time_chunk_reads(files, ids, n, max_bytes))
         if isinstance(request, ResetRequest):
             return ResetReply(
                 *remove_namespace_chunks(request.root, set(request.namespaces))

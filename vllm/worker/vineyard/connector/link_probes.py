@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The link's price measured off the requests (:class:`LinkProbes`): a
-timed read of a hit's first chunk files, on a thread and in a lookup
-process of its own (a probe on a slow or hung root holds up no lookup and
-no request), one at a time. :class:`~.load_costs.LoadCosts` asks for one
-when its price of loading is not this engine's own yet (remembered from a
-predecessor) or is due again (the link was found too slow a while ago), and
+timed read of a hit's first chunk files, or at the engine's start of
+whichever chunk files the namespace lists first, on a thread and in a
+lookup process of its own (a probe on a slow or hung root holds up no
+lookup and no request), one at a time. :class:`~.load_costs.LoadCosts`
+asks for one at the start (so the first hit is decided by the link as it is
+now, not as a predecessor saw it), when its price of loading is still not
+this engine's own at a hit (the namespace had no chunk at the start), or
+when one is due again (the link was found too slow a while ago), and
 computes that hit meanwhile."""
 
 from __future__ import annotations
@@ -45,11 +48,19 @@ class LinkProbes:
         ``blocks`` cached blocks; ``False`` while another probe runs."""
         bpc = self._lookup.chunk_size // self._lookup.block_size
         chunks = min(blocks // bpc, PROBE_CHUNKS)
+        return chunks > 0 and self._put(list(digests[: chunks * bpc]))
+
+    def start_any(self) -> bool:
+        """Time the read of whichever chunk files the namespace lists first
+        (it may have none: then no price comes)."""
+        return self._put([])
+
+    def _put(self, digests: list[bytes]) -> bool:
         with self._lock:
-            if self._busy or chunks <= 0:
+            if self._busy:
                 return False
             self._busy = True
-        self._queue.put(list(digests[: chunks * bpc]))
+        self._queue.put(digests)
         return True
 
     @property
@@ -67,13 +78,13 @@ class LinkProbes:
         # This thread's lookup process, started now: a probe does not wait
         # for a process to start.
         self._lookup.warm_up()
-        while digests := self._queue.get():
-            bpc = self._lookup.chunk_size // self._lookup.block_size
+        bpc = self._lookup.chunk_size // self._lookup.block_size
+        while True:
+            digests = self._queue.get()  # none: any chunk files
+            chunks = len(digests) // bpc if digests else PROBE_CHUNKS
             start = time.perf_counter()
             try:
-                result = self._lookup.time_reads(
-                    digests, len(digests) // bpc, PROBE_BYTES
-                )
+                result = self._lookup.time_reads(digests, chunks, PROBE_BYTES)
             except BackendError as e:
                 # Gave up after the backend timeout: at least this slow.
                 logger.warning("vineyard cache link probe failed: %s", e)

@@ -24,10 +24,12 @@ timed read of a hit's first chunk files off the requests
 price replaces the old ones. Without probes (lookups in process) the hit
 itself is loaded as the probe (the workers stop any load that runs slower
 than computing the rest, so it costs little). Until both estimates exist,
-hits are loaded. The estimates outlive the engine
+hits are loaded. The link is probed at the engine's start, off any
+request (hits that come while it runs are computed); if the namespace has
+no chunk then, at the first hit. The estimates outlive the engine
 (:class:`RememberedCosts`): a restarted engine starts from the prices its
-predecessor on this host saw for the same root and namespace, and probes
-the link at its first hit (computed meanwhile).
+predecessor on this host saw for the same root and namespace (computing's
+until its own steps are timed; the link's until its probe ends).
 """
 
 from __future__ import annotations
@@ -113,9 +115,11 @@ class LoadCosts:
 
     def probe_with(self, lookup: VineyardCacheLookup) -> None:
         """Price the link by timed reads in ``lookup``'s processes (on a
-        thread of their own), not by loading hits."""
+        thread of their own), not by loading hits; the first now, of any
+        chunk files (hits that come before it ends are computed)."""
         if self.decide:
             self.probes = LinkProbes(lookup)
+            self.probes.start_any()
 
     # ---- samples ---------------------------------------------------------
 

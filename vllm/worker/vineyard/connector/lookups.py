@@ -29,6 +29,7 @@ from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.cached_chunks import (
     count_cached_chunks,
+    time_any_chunk_reads,
     time_chunk_reads,
 )
 from vllm.worker.vineyard.storage.digests import synthetic_ids
@@ -185,12 +186,15 @@ class VineyardCacheLookup:
     def time_reads(
         self, digests: Sequence[bytes], max_chunks: int, max_bytes: int
     ) -> tuple[int, float]:
-        """Read the first chunk files of a prefix (rank 0's), timed: ``(blocks
-        read, seconds)`` (see :func:`time_chunk_reads`), in this thread's
-        lookup process (a hung root raises :class:`BackendError` after
+        """Read the first chunk files of a prefix (rank 0's), or with no
+        ``digests`` those the namespace lists first, timed: ``(blocks read,
+        seconds)`` (see :func:`time_chunk_reads`), in this thread's lookup
+        process (a hung root raises :class:`BackendError` after
         ``backend_timeout_s``)."""
         bpc = self.chunk_size // self.block_size
         ids = synthetic_ids(digests[: max_chunks * bpc])
+        if self._in_process and not ids:
+            return time_any_chunk_reads(self._files[0], max_chunks, max_bytes)
         if self._in_process:
             return time_chunk_reads(self._files[0], ids, max_chunks, max_bytes)
         reply = self._process().call(
