@@ -248,9 +248,17 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
             raise PermissionError(13, "access denied")
         return 0
 
-    def readdir(self, path: str, fh: int) -> list[str]:
+    def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
+        # With each entry's inode (use_ino): an entry without one (d_ino 0)
+        # is skipped by readdir(3), and the folder lists empty.
         self._gate(slow=False)
-        return [".", "..", *os.listdir(self._path(path))]
+        entries = []
+        with os.scandir(self._path(path)) as found:
+            for entry in found:
+                st = entry.stat(follow_symlinks=False)
+                attrs = {"st_ino": st.st_ino, "st_mode": st.st_mode}
+                entries.append((entry.name, attrs, 0))
+        return entries
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         first = fh not in self._read_from

@@ -7,10 +7,12 @@ files the namespace lists, in either layout (:func:`time_any_chunk_reads`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from tests.script_testing import mount_slow_fs
 from vllm.worker.vineyard.storage.cached_chunks import (
     time_any_chunk_reads,
     time_chunk_reads,
@@ -86,3 +88,23 @@ def test_a_namespace_without_chunks_reads_nothing(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     empty = ChunkFiles(str(tmp_path / "empty"), BPC, ENTRY, flat=False)
     assert time_any_chunk_reads(empty, 16, 1 << 30) == (0, 0.0)
+
+
+def test_any_chunk_files_are_read_through_a_thin_link(tmp_path: Path) -> None:
+    """On the benchmark's FUSE root behind a read link (as far-root tests
+    and benchmarks run it), the namespace lists and the reads pay the link."""
+    fs = mount_slow_fs(tmp_path / "fs", read_mbps=8.0, direct_io=True)
+    try:
+        files = ChunkFiles(str(fs.mount / "ns"), BPC, ENTRY)
+        os.makedirs(files.namespace_dir)
+        size = 0
+        for k in range(4):
+            ids = IDS[: (k + 1) * BPC]
+            data = b"\0" * files.file_bytes(len(ids))
+            Path(files.path(ids)).write_bytes(data)
+            size += len(data)
+        read, seconds = time_any_chunk_reads(files, 16, 1 << 30)
+        assert read == 4 * BPC
+        assert seconds >= 0.8 * size / 8e6
+    finally:
+        fs.close()
