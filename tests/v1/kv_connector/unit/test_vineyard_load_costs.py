@@ -9,6 +9,7 @@ boundary."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector.load_costs import (
     MARGIN,
+    MAX_FIXED_SHARE,
     MIN_STEP_TOKENS,
     PROBE_INTERVAL_S,
     LoadCosts,
@@ -201,21 +203,57 @@ def test_a_restarted_engine_probes_before_loading(
     assert restarted.promise(HIT) == HIT
 
 
+def step(costs: LoadCosts, clock: FakeClock, tokens: int, seconds: float) -> None:
+    costs.step_scheduled(tokens)
+    clock.now += seconds
+    costs.step_finished()
+
+
 def test_computing_is_priced_by_the_tokens_of_recent_steps(
     costs: LoadCosts, clock: FakeClock
 ) -> None:
-    """Seconds per token, weighted by tokens: large steps count most (a
-    decode-sized step's fixed costs barely move the price), and small ones
-    below MIN_STEP_TOKENS not at all."""
+    """Seconds per token, weighted by tokens (large steps count most), less
+    each step's fixed cost, which small (decode) steps price: a few short
+    prompts' steps do not price a token far above a long hit's."""
     overhead, per_token = 0.02, 2e-4
-    for tokens in (1024, 64, 1024, 8, 512, 1024):
-        costs.step_scheduled(tokens)
-        clock.now += overhead + per_token * tokens
-        costs.step_finished()
+    for tokens in (64, 1024, 64):  # no small step yet: the overhead is in
+        step(costs, clock, tokens, overhead + per_token * tokens)
     price = costs.compute_s_per_token
     assert price is not None
-    assert per_token < price < per_token + overhead / 512
-    assert costs.compute_s(2048) == pytest.approx(2048 * price)
+    assert price > per_token + overhead / 1024
+    for tokens in (1, 64, 1024, 8, 64, 512, 1, 1024, 96):
+        step(costs, clock, tokens, overhead + per_token * tokens)
+    for tokens in (64, 700, 2048):
+        expected = per_token * tokens
+        assert costs.compute_s(tokens) == pytest.approx(expected, rel=0.05)
+    price = costs.compute_s_per_token
+    assert price == pytest.approx(per_token, rel=0.05)
+
+
+def test_a_long_prompts_token_is_priced_by_long_prompts_steps(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    """On a CPU a long prompt's token costs several times a short one's (its
+    attention reaches further): each is priced by steps of its size."""
+    for _ in range(3):
+        step(costs, clock, 512, 512 * 1e-4)
+        step(costs, clock, 4096, 4096 * 4e-4)
+    assert costs.compute_s(500) == pytest.approx(500 * 1e-4)
+    assert costs.compute_s(1500) == pytest.approx(1500 * 1e-4)  # nearer 512
+    assert costs.compute_s(4000) == pytest.approx(4000 * 4e-4)
+    assert costs.compute_s(20000) == pytest.approx(20000 * 4e-4)
+    assert costs.compute_s_per_token == pytest.approx(4e-4)  # the highest
+    assert costs.stop_price(500) == pytest.approx(1e-4)
+
+
+def test_a_burst_of_slow_small_steps_takes_only_a_share_of_a_step(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    for _ in range(5):
+        step(costs, clock, 1024, 0.2)
+        step(costs, clock, 1, 10.0)  # a stall, not a step's fixed cost
+    price = costs.compute_s_per_token
+    assert price == pytest.approx(0.2 * (1 - MAX_FIXED_SHARE) / 1024)
 
 
 def test_a_restarted_engine_starts_from_the_remembered_prices(
@@ -236,6 +274,11 @@ def test_a_restarted_engine_starts_from_the_remembered_prices(
     other = LoadCosts(BLOCK_SIZE, lambda: metrics, clock)
     RememberedCosts(path, "another root|ns", other)
     assert other.promise(HIT) == HIT  # nothing known: loaded
+    old = {"root|ns": {"load_s_per_block": [1.0], "steps": {"tokens": 1.0}}}
+    Path(path).write_text(json.dumps(old))  # an earlier version's
+    earlier = LoadCosts(BLOCK_SIZE, lambda: metrics, clock)
+    RememberedCosts(path, "root|ns", earlier)  # a cold start, no error
+    assert earlier.compute_s_per_token is None
     Path(path).write_text("{not json")
     broken = LoadCosts(BLOCK_SIZE, lambda: metrics, clock)
     RememberedCosts(path, "root|ns", broken)  # a cold start, no error

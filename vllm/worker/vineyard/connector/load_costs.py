@@ -10,9 +10,10 @@ and the decision between them (:class:`LoadCosts`).
   is now, and a change shows within a few loads.
 - Computing (per engine): the seconds per token of the engine's recent
   steps (from a step's scheduling to its output), weighted by their tokens,
-  at its current load. A step's fixed costs make this price a little high
-  for small steps: a hit is then loaded a little more often, and a load
-  that turns out slow stops itself.
+  at its current load, less each step's fixed cost (scheduling, sampling,
+  the batch's decoding): the time of its recent small steps, which compute
+  next to no prompt tokens. Without that, a few short prompts' steps would
+  price a token far above what a long hit costs to compute.
 
 A hit is promised only when loading it is expected to finish sooner than
 computing it, by :data:`MARGIN`; otherwise it is computed (counted
@@ -60,27 +61,74 @@ PROBE_INTERVAL_S = 5.0
 LOAD_SAMPLES = 5
 #: Weight of the newest step in the price of a token (a few steps dominate).
 NEW_STEP_WEIGHT = 0.3
-#: Steps with fewer scheduled tokens than this (decode steps) say little
-#: about the price of a prompt token.
+#: Steps with fewer scheduled tokens than this (decode steps) price a
+#: step's fixed cost, not a prompt token.
 MIN_STEP_TOKENS = 32
+#: A step's fixed cost takes at most this share of a prompt step's time
+#: (a guard against a burst of slow small steps).
+MAX_FIXED_SHARE = 0.8
 MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclass
-class _StepTimes:
-    """Recent steps' tokens and seconds, exponentially weighted: their
-    seconds per token, weighted by tokens (large steps count most)."""
+class _Size:
+    """Recent steps of one size: tokens, seconds and weight, exponentially
+    weighted (large steps count most)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
+    steps: float = 0.0
+
+
+class _StepTimes:
+    """The seconds per token of recent prompt steps, per size (steps of
+    2^k to 2^(k+1) tokens: on a CPU a long prompt's token costs several
+    times a short one's, its attention reaching further), less each step's
+    fixed cost: the seconds of recent small steps."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, _Size] = {}
+        self.small_seconds = 0.0  # of the small steps, weighted
+        self.small_steps = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
         keep = 1.0 - NEW_STEP_WEIGHT
-        self.tokens = keep * self.tokens + tokens
-        self.seconds = keep * self.seconds + seconds
+        if tokens < MIN_STEP_TOKENS:
+            self.small_seconds = keep * self.small_seconds + seconds
+            self.small_steps = keep * self.small_steps + 1.0
+            return
+        size = self.sizes.setdefault(tokens.bit_length(), _Size())
+        size.tokens = keep * size.tokens + tokens
+        size.seconds = keep * size.seconds + seconds
+        size.steps = keep * size.steps + 1.0
 
-    def per_token(self) -> float | None:
-        return self.seconds / self.tokens if self.tokens > 0 else None
+    def per_token(self, tokens: int | None = None) -> float | None:
+        """For a prompt of ``tokens``: the price of the steps nearest its
+        size (of the larger on a tie); ``None``: the highest of any size."""
+        if not self.sizes:
+            return None
+        if tokens is None:
+            return max(self._price(size) for size in self.sizes.values())
+        k = max(tokens, 1).bit_length()
+        nearest = min(self.sizes, key=lambda s: (abs(s - k), -s))
+        return self._price(self.sizes[nearest])
+
+    def _price(self, size: _Size) -> float:
+        small = self.small_seconds / self.small_steps if self.small_steps else 0.0
+        fixed = min(small * size.steps, MAX_FIXED_SHARE * size.seconds)
+        return (size.seconds - fixed) / size.tokens
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "sizes": {str(k): asdict(size) for k, size in self.sizes.items()},
+            "small": [self.small_seconds, self.small_steps],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        sizes = {int(k): _Size(**v) for k, v in state["sizes"].items()}
+        small_seconds, small_steps = (float(x) for x in state["small"])
+        self.sizes = {k: s for k, s in sizes.items() if s.tokens > 0}
+        self.small_seconds, self.small_steps = small_seconds, small_steps
 
 
 class LoadCosts:
@@ -159,8 +207,6 @@ class LoadCosts:
         if not self._in_flight:
             return
         started, tokens = self._in_flight.popleft()
-        if tokens < MIN_STEP_TOKENS:
-            return
         self._steps.add(tokens, self._clock() - started)
         self._publish()
 
@@ -168,7 +214,8 @@ class LoadCosts:
 
     @property
     def compute_s_per_token(self) -> float | None:
-        """What computing a prompt token costs now."""
+        """What computing a prompt token costs now, at most (in the longest
+        prompts' steps)."""
         return self._steps.per_token()
 
     def load_s(self, blocks: int) -> float | None:
@@ -177,15 +224,14 @@ class LoadCosts:
             return None
         return statistics.median(self._load_s_per_block) * blocks
 
-    @property
-    def stop_price(self) -> float | None:
-        """What a load must beat per token, or be stopped (see the
-        workers' loads); ``None``: never stopped."""
-        return self.compute_s_per_token if self.decide else None
+    def stop_price(self, hit_tokens: int) -> float | None:
+        """What a load of ``hit_tokens`` must beat per token, or be stopped
+        (see the workers' loads); ``None``: never stopped."""
+        return self._steps.per_token(hit_tokens) if self.decide else None
 
     def compute_s(self, tokens: int) -> float | None:
-        """The expected time to compute ``tokens`` prompt tokens."""
-        per_token = self._steps.per_token()
+        """The expected time to compute a prompt's ``tokens``."""
+        per_token = self._steps.per_token(tokens)
         return None if per_token is None else per_token * tokens
 
     def loads_longer_than(self, hit_tokens: int, step_tokens: int) -> bool:
@@ -269,14 +315,15 @@ class LoadCosts:
         """The estimates, to remember across restarts."""
         return {
             "load_s_per_block": list(self._load_s_per_block),
-            "steps": asdict(self._steps),
+            "steps": self._steps.state(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Start from remembered estimates (ignored if malformed)."""
-        with contextlib.suppress(TypeError, ValueError):
+        with contextlib.suppress(AttributeError, KeyError, TypeError, ValueError):
             loads = [float(s) for s in state.get("load_s_per_block", [])]
-            steps = _StepTimes(**{k: float(v) for k, v in state["steps"].items()})
+            steps = _StepTimes()
+            steps.restore(state["steps"])
             self._load_s_per_block.extend(s for s in loads if s > 0)
             self._steps = steps
             self._publish()

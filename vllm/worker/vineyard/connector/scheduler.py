@@ -434,7 +434,7 @@ class VineyardConnectorScheduler:
                     save_from=state.save_from,
                     held_from=state.held_from,
                     load=state.load,
-                    compute_s_per_token=self._costs.stop_price,
+                    compute_s_per_token=self._costs.stop_price(end - start),
                 )
             )
             state.loading, state.load = state.load, None
