@@ -14,12 +14,14 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
 from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
     Engine,
     FakeWorker,
     create_request,
@@ -36,6 +38,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     LoadCosts,
     RememberedCosts,
 )
+from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
@@ -441,6 +444,66 @@ def test_a_load_slower_than_computing_stops(tmp_path: Path) -> None:
         assert engine.counter("loads_stopped_slow") == 1
         assert engine.counter("tokens_not_loaded_slow") == HIT
         assert engine.counter("load_errors") == 0
+    finally:
+        engine.close()
+        worker.close()
+
+
+def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
+    tmp_path: Path,
+) -> None:
+    """Computing is known to win, so a request does not wait for its
+    lookup; once the lookup is in (here a step later), its saves go on past
+    the chunks found (they are cached already), on the worker too."""
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+
+    def tokens_written() -> int:
+        worker.wait_for_writes()
+        return worker.cache.metrics.snapshot()["tokens_written"]
+
+    try:
+        costs = connector_costs(engine, FakeClock(), 1e-4)
+        prefix = fresh_tokens(HIT)
+        assert first_scheduled(engine, "saved", prefix + fresh_tokens(1)) == 0
+        assert tokens_written() == HIT
+        feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
+        connector = engine.scheduler.connector
+        assert isinstance(connector, VineyardConnector)
+        lookups = connector._scheduler._lookup  # type: ignore[union-attr]
+        assert lookups is not None
+        ask = lookups.lookup
+
+        def not_in_yet(req_id: str, *args: Any, **kwargs: Any) -> Any:
+            assert kwargs.get("wait") is False  # computing: not waited for
+            return None if req_id == "late" else ask(req_id, *args, **kwargs)
+
+        peek, peeked = lookups.peek, []
+
+        def in_after_one_step(req_id: str) -> Any:
+            peeked.append(req_id)
+            return None if peeked.count("late") == 1 else peek(req_id)
+
+        lookups.lookup = not_in_yet  # type: ignore[method-assign]
+        lookups.peek = in_after_one_step  # type: ignore[method-assign]
+        first = len(engine.records)
+        prompt = prefix + fresh_tokens(2 * HIT + 1)
+        assert first_scheduled(engine, "late", prompt) == 0
+        save_from = []
+        for record in engine.records[first:]:
+            meta = record.scheduler_output.kv_connector_metadata
+            assert isinstance(meta, VineyardConnectorMetadata)
+            save_from += [d.save_from for d in meta.requests if d.req_id == "late"]
+        # Its first step (a budget's tokens) saved from 0, the rest from HIT.
+        assert save_from[0] == 0 and set(save_from[1:]) == {HIT}
+        budget = MAX_NUM_BATCHED_TOKENS
+        assert tokens_written() == HIT + budget + 2 * HIT
     finally:
         engine.close()
         worker.close()

@@ -472,13 +472,14 @@ class BackgroundLookups:
             self._queue.put(job)
         return job
 
-    def peek(self, req_id: str) -> int | None:
-        """The end of the request's hit (from token 0) if its lookup is
-        done, else ``None``; the lookup is still answered by :meth:`lookup`."""
+    def peek(self, req_id: str) -> tuple[int, int] | None:
+        """The end of the request's hit (from token 0) and of its cached
+        chunks if its lookup is done, else ``None``; the lookup is still
+        answered by :meth:`lookup`."""
         job = self._jobs.get(req_id)
         if job is None or not job.done.is_set() or job.cancelled:
             return None
-        return job.result[0]
+        return job.result
 
     def forget(self, req_id: str) -> None:
         job = self._jobs.pop(req_id, None)

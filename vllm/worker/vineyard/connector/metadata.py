@@ -29,9 +29,10 @@ class RequestDelta:
     replace_blocks: bool  # first schedule, or resumed after preemption
     num_computed_tokens: int  # tokens whose KV exists after this step
     # The scheduler's decision: chunks from here on are saved. It moves
-    # back only when a load came up short (the chunks recomputed then are
-    # saved again on every rank); skipped and failed saves a rank re-issues
-    # itself, from its own progress.
+    # back when a load came up short (the chunks recomputed then are saved
+    # again on every rank), and on when the lookup of a request computed
+    # without waiting for it comes in; skipped and failed saves a rank
+    # re-issues itself, from its own progress.
     save_from: int
     # Blocks before it vLLM has freed (a sliding window moved past them):
     # never read from or written to, whatever the worker's table says.
@@ -40,6 +41,9 @@ class RequestDelta:
     # What computing a token costs the engine now: a load slower than
     # computing the rest stops (None: unknown yet, never stopped).
     compute_s_per_token: float | None = None
+    # What the link's recent loads took per block: a read that waits many
+    # times longer has stalled, and stops the load sooner (None: unknown).
+    load_s_per_block: float | None = None
     digests_from: int = 0  # the index of new_digests[0] (0 after a reset)
 
 

@@ -78,9 +78,10 @@ class ReadAheads:
             if request.status != RequestStatus.WAITING or state.digests_sent:
                 del self._queued[req_id]  # scheduled (or gone)
                 continue
-            hit_end = lookups.peek(req_id)
-            if hit_end is None:
+            found = lookups.peek(req_id)
+            if found is None:
                 continue  # its lookup runs
+            hit_end = found[0]
             del self._queued[req_id]
             digests = state.digests_up_to(hit_end, bs)
             bpc, local = chunk // bs, state.num_local_tokens // chunk

@@ -66,6 +66,7 @@ class RequestState:
     # Whether its hit is computed, not loaded, for a slow link (decided
     # once, on its first hit).
     computed_for_speed: bool | None = None
+    late_lookup: bool = False  # computed before its lookup was in
 
     def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
         """A rank's write stored tokens ``[begin, end)`` (writes finish in
@@ -82,6 +83,18 @@ class RequestState:
         self.saved = min(self.saved, token)
         for rank, saved in self.rank_saved.items():
             self.rank_saved[rank] = min(saved, token)
+
+    def found_late(self, token: int) -> None:
+        """Its lookup, not waited for, found the chunks up to ``token``
+        cached: its saves move on to there, unless a load of it came up
+        short meanwhile."""
+        self.late_lookup = False
+        if self.max_hit == NEVER and token > self.save_from:
+            self.save_from = token
+            self.found = max(self.found, token)
+            self.saved = max(self.saved, token)
+            for rank, saved in self.rank_saved.items():
+                self.rank_saved[rank] = max(saved, token)
 
     def load_failed(self, invalid_block_ids: set[int], bs: int, chunk: int) -> None:
         """vLLM found these blocks not loaded: if its load had one, it is
@@ -140,3 +153,21 @@ def freed_blocks(scheduler_output: SchedulerOutput, req_id: str, known: int) -> 
     if table is None:
         return NEVER
     return leading_freed_blocks(table[0], known)
+
+
+def new_block_ids(
+    scheduler_output: SchedulerOutput,
+) -> dict[str, tuple[list[int], bool]]:
+    """Per scheduled request, its blocks new in this step and whether they
+    replace its block list (a new or resumed request)."""
+    new_blocks: dict[str, tuple[list[int], bool]] = {}
+    for new_req in scheduler_output.scheduled_new_reqs:
+        new_blocks[new_req.req_id] = (list(new_req.block_ids[0]), True)
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        block_ids = cached.new_block_ids[i]
+        new_blocks[req_id] = (
+            list(block_ids[0]) if block_ids else [],
+            req_id in cached.resumed_req_ids,
+        )
+    return new_blocks

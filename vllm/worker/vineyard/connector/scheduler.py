@@ -56,6 +56,7 @@ from vllm.worker.vineyard.connector.request_state import (
     RequestState,
     freed_blocks,
     leading_freed_blocks,
+    new_block_ids,
 )
 from vllm.worker.vineyard.connector.weight_identity import (
     AdapterIdentities,
@@ -120,8 +121,7 @@ class VineyardConnectorScheduler:
         ahead = config.read_ahead_buffers > 0
         self._read_aheads = ReadAheads(block_size, tp_size, prefix_caching, ahead)
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
-        # Sliding-window attention: vLLM frees a running request's blocks
-        # once they leave the window (and hands them to other requests).
+        # Sliding windows: vLLM frees (and reuses) blocks out of the window.
         self._windowed = windowed
         self._cache_off = cache_off
         if cache_off:
@@ -190,9 +190,8 @@ class VineyardConnectorScheduler:
         )
         if found is None and not computing:
             return None, False  # ask again next step
-        if found is None:
-            self._lookup.forget(req_id)
-            found = (0, 0)  # saves start from the first chunk
+        if found is None:  # saves start from the first chunk, until it is in
+            state.late_lookup, found = True, (0, 0)
         num_hit, save_from = found
         if state.digests_sent == 0:
             state.save_from = state.found = state.saved = save_from
@@ -369,16 +368,8 @@ class VineyardConnectorScheduler:
     ) -> list[RequestDelta]:
         """What the workers need of each scheduled request: its new blocks
         and the digests of its chunks completed in this step."""
-        new_blocks: dict[str, tuple[list[int], bool]] = {}
-        for new_req in scheduler_output.scheduled_new_reqs:
-            new_blocks[new_req.req_id] = (list(new_req.block_ids[0]), True)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            block_ids = cached.new_block_ids[i]
-            new_blocks[req_id] = (
-                list(block_ids[0]) if block_ids else [],
-                req_id in cached.resumed_req_ids,
-            )
+        new_blocks, lookups = new_block_ids(scheduler_output), self._lookup
+        assert lookups is not None
         deltas = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -388,6 +379,11 @@ class VineyardConnectorScheduler:
                 self._forwarding.append(state)
             if state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
+            found = lookups.peek(req_id) if state.late_lookup else None
+            if found is not None:  # its lookup, not waited for, is in now
+                lookups.forget(req_id)
+                state.found_late(found[1])
+                self._announce(state)
             num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
             replace = replace or state.blocks_replaced
@@ -435,6 +431,7 @@ class VineyardConnectorScheduler:
                     held_from=state.held_from,
                     load=state.load,
                     compute_s_per_token=self._costs.stop_price(end - start),
+                    load_s_per_block=self._costs.load_s(1),
                 )
             )
             state.loading, state.load = state.load, None

@@ -220,6 +220,7 @@ class VineyardConnectorWorker:
                     end,
                     state.block_ids,
                     delta.compute_s_per_token,
+                    delta.load_s_per_block,
                 )
         self.cache.loads.poll()
 

@@ -17,6 +17,15 @@ from vllm.worker.vineyard.log_limiter import LogLimiter
 
 logger = init_logger(__name__)
 
+#: A load's pace is judged once its reads took this share of computing all
+#: of its blocks (one chunk's read is mostly a file's latency, which a busy
+#: filesystem varies by tens of milliseconds), and a read waits at least as
+#: long before it counts as stalled.
+FIRST_BLOCKS_WAIT = 0.1
+#: A read waiting this many times what the link's recent loads took for as
+#: many blocks has stalled (if that is shorter than computing its blocks).
+STALL_FACTOR = 4.0
+
 
 @dataclass
 class Answer:
@@ -77,6 +86,7 @@ class LoadJob:
     # What computing a token costs the engine now (from the scheduler): a
     # load slower than computing the rest is stopped; None: never stopped.
     compute_s_per_token: float | None = None
+    load_s_per_block: float | None = None  # the link's recent price
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
     stopped_slow: bool = False  # slower than computing: the rest computed
@@ -89,34 +99,33 @@ class LoadJob:
     verify_s: float = 0.0
     copy_s: float = 0.0
 
-    def runs_slow(
-        self, waiting: SegmentRead | None, now: float, bs: int, first_wait: float
-    ) -> bool:
+    def runs_slow(self, waiting: SegmentRead | None, now: float, bs: int) -> bool:
         """Whether it runs slower than computing the rest: the blocks read
-        so far took longer per block than computing a block (judged once
-        its reads took ``first_wait`` of computing all its blocks: one
-        chunk's time is mostly a file's latency, which a busy filesystem
-        varies by tens of milliseconds), or ``waiting`` (its next answer's
-        read, sent at monotonic time) has taken longer than computing its
-        blocks would (its first: at least ``first_wait`` of computing them
-        all)."""
+        so far took longer per block than computing a block, or
+        ``waiting`` (its next answer's read, sent at monotonic time) has
+        waited longer than computing its blocks would (its first: at least
+        :data:`FIRST_BLOCKS_WAIT` of computing them all), or stalled:
+        waited :data:`STALL_FACTOR` times what the link's recent loads took
+        for as many, and that share of computing them all."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
             return False
-        least = first_wait * (self.last - self.start)
+        least = FIRST_BLOCKS_WAIT * (self.last - self.start)
         if done > 0 and self.read_s + self.verify_s > c * bs * max(done, least):
             return True
         if waiting is None:
             return False
+        n = len(self.segments)
         s = self.segments[waiting.segment][0]
-        e = self.segments[min(waiting.segment + waiting.count, len(self.segments)) - 1][
-            1
-        ]
-        blocks = float(e - s)
-        if done == 0:
-            blocks = max(blocks, least)
-        return now - waiting.sent_at > c * bs * blocks
+        e = self.segments[min(waiting.segment + waiting.count, n) - 1][1]
+        waited = now - waiting.sent_at
+        if waited > c * bs * (e - s if done else max(e - s, least)):
+            return True
+        if self.load_s_per_block is None:
+            return False
+        stalled = STALL_FACTOR * self.load_s_per_block * (e - s)
+        return waited > max(stalled, c * bs * least)
 
     def take_answer(
         self, read: SegmentRead, verified: int, read_s: float, verify_s: float

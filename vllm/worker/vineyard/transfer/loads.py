@@ -38,10 +38,6 @@ from vllm.worker.vineyard.transfer.staging import ReadBuffers
 
 logger = init_logger(__name__)
 
-#: Longest a load waits for its first blocks, as a share of computing all
-#: of its blocks, before it stops (the rest is computed).
-FIRST_BLOCKS_WAIT = 0.1
-
 
 class LoadPipeline:
     """The loads of one cache (its ``loads``), moved on by the thread that
@@ -110,6 +106,7 @@ class LoadPipeline:
         end: int,
         block_ids: Sequence[int],
         compute_s_per_token: float | None = None,
+        load_s_per_block: float | None = None,
     ) -> None:
         """Begin loading the cached KV of tokens ``[start, end)`` into the
         request's blocks (``digests`` and ``block_ids`` cover the request
@@ -117,7 +114,8 @@ class LoadPipeline:
         ``end``); returns at once. :meth:`poll` moves it on and
         :meth:`take_finished` reports it. With ``compute_s_per_token``, a
         load that runs slower than computing the rest stops at a chunk
-        boundary (the rest is computed).
+        boundary (the rest is computed); ``load_s_per_block`` (the link's
+        recent price) tells a stalled read sooner.
 
         ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks,
         from the chunk boundary at or before ``start`` to the one at or after
@@ -150,6 +148,7 @@ class LoadPipeline:
         job.start, job.last = start // bs, end // bs
         job.loaded = job.start
         job.compute_s_per_token = compute_s_per_token
+        job.load_s_per_block = load_s_per_block
         self._jobs[req_id] = job
         if job.next_segment < len(job.segments):
             self._queue.append(job)
@@ -250,9 +249,9 @@ class LoadPipeline:
     def _stop_slow_loads(self) -> None:
         """Stop the loads that run slower than computing the rest
         (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy
-        engine's long steps and time queued for a reader do not count). A
-        link slower than computing costs a request about one segment's
-        computation (a load's first segment is one chunk)."""
+        engine's long steps and time queued for a reader do not count): a
+        slow link or a stalled read costs a request at most about a tenth of
+        computing its hit more than computing it."""
         now, bs = time.monotonic(), self._layout.block_size
         unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
         for read in self._in_flight:
@@ -262,7 +261,7 @@ class LoadPipeline:
             left = job.last - job.loaded
             if job.finished or left <= 0:
                 continue
-            if job.runs_slow(unanswered.get(id(job)), now, bs, FIRST_BLOCKS_WAIT):
+            if job.runs_slow(unanswered.get(id(job)), now, bs):
                 job.stopped_slow = True
                 self._metrics.add("loads_stopped_slow")
                 self._metrics.add("tokens_not_loaded_slow", left * bs)

@@ -137,6 +137,9 @@ class SaveLedger:
                 # The scheduler moved the start back (a load of this request
                 # came up short on some rank): save again from there.
                 origin, begin = req.save_from, min(begin, req.save_from)
+            elif req.save_from > origin:
+                # ... or on (its lookup came in late): those chunks are cached.
+                origin, begin = req.save_from, max(begin, req.save_from)
             self._resume[req.req_id] = (origin, begin)
             computed = min(req.num_computed_tokens, len(req.block_digests) * bs)
             finished = computed // chunk * chunk

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""When a load stops as slow (:meth:`LoadJob.runs_slow`): a read waits as
+long as computing its blocks would (the first: at least a tenth of
+computing the whole hit), or, where the link's recent price is known, until
+it has waited several times that price (a stall), but never less than that
+tenth."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from vllm.worker.vineyard.transfer.load_jobs import (
+    FIRST_BLOCKS_WAIT,
+    STALL_FACTOR,
+    LoadJob,
+    SegmentRead,
+    segments_of,
+)
+
+BS = 16  # tokens per block
+BLOCKS = 100  # the hit
+COMPUTE_S = 1e-3  # per token: 16 ms a block, 1.6 s the hit
+FLOOR_S = FIRST_BLOCKS_WAIT * BLOCKS * BS * COMPUTE_S  # 0.16 s
+SEGMENT = 20  # blocks per read after the first chunk
+
+
+def job(loaded: int, load_s_per_block: float | None) -> LoadJob:
+    return LoadJob(
+        req_id="r",
+        ids=list(range(BLOCKS)),
+        digests=[],
+        block_ids=list(range(BLOCKS)),
+        start=0,
+        last=BLOCKS,
+        segments=segments_of(0, BLOCKS, SEGMENT, lead=1),
+        loaded=loaded,
+        compute_s_per_token=COMPUTE_S,
+        load_s_per_block=load_s_per_block,
+    )
+
+
+def waiting(load: LoadJob, segment: int, waited_s: float) -> SegmentRead:
+    return SegmentRead(
+        load, segment, 0, cast(Any, None), cast(Any, None), 100.0 - waited_s
+    )
+
+
+@pytest.mark.parametrize(
+    ("loaded", "segment", "link_s", "waited_s", "slow"),
+    [
+        # The first read (one chunk): a tenth of computing the hit.
+        (0, 0, None, 0.9 * FLOOR_S, False),
+        (0, 0, None, 1.1 * FLOOR_S, True),
+        (0, 0, 1e-4, 0.9 * FLOOR_S, False),  # a stall waits that long too
+        # A later read of 20 blocks: as long as computing them (0.32 s).
+        (1, 1, None, 0.3, False),
+        (1, 1, None, 0.34, True),
+        # ... or, stalled, STALL_FACTOR times the link's price (80 ms), but
+        # at least the tenth.
+        (1, 1, 1e-3, 0.9 * FLOOR_S, False),
+        (1, 1, 1e-3, STALL_FACTOR * 1e-3 * SEGMENT * 1.5, False),
+        (1, 1, 1e-3, 1.1 * FLOOR_S, True),
+        # A link priced slower than computing: computing's wait decides.
+        (1, 1, 20e-3, 0.3, False),
+        (1, 1, 20e-3, 0.34, True),
+    ],
+)
+def test_a_waiting_read(
+    loaded: int, segment: int, link_s: float | None, waited_s: float, slow: bool
+) -> None:
+    load = job(loaded, link_s)
+    assert load.runs_slow(waiting(load, segment, waited_s), 100.0, BS) is slow
+
+
+def test_the_pace_of_the_blocks_read() -> None:
+    """Blocks read slower than computing them stop the load, once its
+    reads took a tenth of computing the hit."""
+    load = job(21, None)
+    load.read_s = 21 * BS * COMPUTE_S * 0.9
+    assert not load.runs_slow(None, 100.0, BS)
+    load.read_s = 21 * BS * COMPUTE_S * 1.1
+    assert load.runs_slow(None, 100.0, BS)
+    early = job(1, None)  # one chunk read: its pace waits for the tenth
+    early.read_s = 0.9 * FLOOR_S
+    assert not early.runs_slow(None, 100.0, BS)
+
+
+def test_without_a_compute_price_never_slow() -> None:
+    load = job(1, 1e-3)
+    load.compute_s_per_token = None
+    assert not load.runs_slow(waiting(load, 1, 1e3), 100.0, BS)
