@@ -31,6 +31,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 )
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector.load_costs import (
+    FIRST_PROBE_INTERVAL_S,
     MARGIN,
     MAX_FIXED_SHARE,
     MIN_STEP_TOKENS,
@@ -112,9 +113,9 @@ def test_a_recovering_root_gets_the_hit_after_its_probe(
     feed_loads(costs, clock, 1e-3)
     assert costs.promise(HIT) == 0
     assert not costs.loads_may_win()  # no need to wait for a lookup
-    clock.now += PROBE_INTERVAL_S / 2
+    clock.now += FIRST_PROBE_INTERVAL_S / 2
     assert costs.promise(HIT) == 0  # no probe yet
-    clock.now += PROBE_INTERVAL_S / 2
+    clock.now += FIRST_PROBE_INTERVAL_S / 2
     assert costs.loads_may_win()  # a probe is due
     assert costs.promise(HIT) == HIT  # the probe
     assert costs.promise(HIT) == 0  # one probe per interval
@@ -166,6 +167,46 @@ def test_a_probe_prices_the_link_off_the_requests(
     probes.finish(8, 8 * 1e-6 * BLOCK_SIZE)  # fast again: replaces the old
     assert costs.promise(HIT) == HIT
     assert len(probes.started) == 1
+
+
+def test_a_slow_link_is_probed_again_after_1_2_4_5_seconds(
+    costs: LoadCosts, clock: FakeClock
+) -> None:
+    """One probe's price can be a busy moment's: a link found slow is
+    probed again soon, then less and less often."""
+    probes = FakeProbes()
+    costs.probes = probes  # type: ignore[assignment]
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-3)  # too slow
+    waits = []
+    start = clock.now
+    while len(probes.started) < 5:
+        clock.now += 0.25
+        assert costs.promise(HIT) == 0
+        if probes.busy:
+            waits.append(clock.now - start)
+            probes.finish(8, 8 * 1e-3 * BLOCK_SIZE)  # still slow
+            assert costs.promise(HIT) == 0  # its price taken now
+            start = clock.now
+    assert waits == [1.0, 2.0, 4.0, PROBE_INTERVAL_S, PROBE_INTERVAL_S]
+
+
+def test_while_the_starts_probe_runs_the_prices_at_hand_decide(
+    costs: LoadCosts, clock: FakeClock, metrics: VineyardCacheMetrics
+) -> None:
+    """Hits that come while the engine start's probe runs are not held to
+    computing: a fast remembered price loads them, a slow one computes."""
+    probes = FakeProbes()
+    probes.busy = True  # the start's probe (of any chunk files)
+    costs.probes = probes  # type: ignore[assignment]
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-6)
+    assert costs.loads_may_win()
+    assert costs.promise(HIT) == HIT
+    feed_loads(costs, clock, 1e-3)
+    assert costs.promise(HIT) == 0
+    assert metrics.take()["tokens_not_loaded_slow"] == HIT
+    assert probes.started == []  # one probe at a time
 
 
 def test_with_probes_an_unknown_link_is_loaded(

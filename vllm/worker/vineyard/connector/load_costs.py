@@ -9,25 +9,27 @@ and the decision between them (:class:`LoadCosts`).
   the last :data:`LOAD_SAMPLES`, so a root a network away is priced as it
   is now, and a change shows within a few loads.
 - Computing (per engine): the seconds per token of the engine's recent
-  steps (from a step's scheduling to its output), weighted by their tokens,
-  at its current load, less each step's fixed cost (scheduling, sampling,
-  the batch's decoding): the time of its recent small steps, which compute
-  next to no prompt tokens. Without that, a few short prompts' steps would
-  price a token far above what a long hit costs to compute.
+  steps of the hit's size (from a step's scheduling to its output; sizes
+  2^k to 2^(k+1) tokens: on a CPU a long prompt's token costs several
+  times a short one's), weighted by their tokens, at its current load,
+  less each step's fixed cost (scheduling, sampling, the batch's
+  decoding): the time of its recent small steps, which compute next to no
+  prompt tokens.
 
 A hit is promised only when loading it is expected to finish sooner than
 computing it, by :data:`MARGIN`; otherwise it is computed (counted
 ``tokens_not_loaded_slow``). Estimates follow changes both ways: a slower
-link shows in the next loads; a link found too slow gets no loads, so at
-most every :data:`PROBE_INTERVAL_S` the link is priced again by a probe: a
-timed read of a hit's first chunk files off the requests
+link shows in the next loads; a link found too slow gets no loads, so the
+link is priced again by a probe, 1 s later, then twice as long after each
+that finds it slow, up to every :data:`PROBE_INTERVAL_S`: a timed read of a
+hit's first chunk files off the requests
 (:class:`~.link_probes.LinkProbes`; that hit is computed meanwhile), whose
 price replaces the old ones. Without probes (lookups in process) the hit
 itself is loaded as the probe (the workers stop any load that runs slower
 than computing the rest, so it costs little). Until both estimates exist,
 hits are loaded. The link is probed at the engine's start, off any
-request (hits that come while it runs are computed); if the namespace has
-no chunk then, at the first hit. The estimates outlive the engine
+request (hits that come while it runs are decided by the prices at hand);
+if the namespace has no chunk then, at the first hit. The estimates outlive the engine
 (:class:`RememberedCosts`): a restarted engine starts from the prices its
 predecessor on this host saw for the same root and namespace (computing's
 until its own steps are timed; the link's until its probe ends).
@@ -55,7 +57,10 @@ logger = logging.getLogger(__name__)
 
 #: Loading must be expected to take at most 1/MARGIN of computing.
 MARGIN = 1.25
-#: A root found too slow gets one load (a probe) at most this often.
+#: A root found too slow gets one probe (a timed read, or a load) after this
+#: long, then twice as long after each that finds it slow, up to
+#: :data:`PROBE_INTERVAL_S` (one probe's price can be a busy moment's).
+FIRST_PROBE_INTERVAL_S = 1.0
 PROBE_INTERVAL_S = 5.0
 #: Loads whose median prices a block (a change shows within half of them).
 LOAD_SAMPLES = 5
@@ -153,6 +158,8 @@ class LoadCosts:
         self._steps = _StepTimes()
         self._last_load_at = -float("inf")
         self._last_probe_at = -float("inf")
+        self._probe_interval = FIRST_PROBE_INTERVAL_S
+        self._hit_probe = False  # the probe running was started at a hit
         self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
         self._loading = True  # the decision last logged
         self._probing = False  # a probe was promised, its price not seen
@@ -248,7 +255,7 @@ class LoadCosts:
         due (then the caller need not wait for a lookup to compute)."""
         self._take_probes()
         per_block, per_token = self.load_s(1), self.compute_s_per_token
-        if self.probes is not None and self.probes.busy:
+        if self._probing_a_hit():
             return False  # hits are computed while the link is priced
         if not self.decide or per_block is None or per_token is None:
             return True
@@ -258,7 +265,17 @@ class LoadCosts:
 
     def _probe_due(self) -> bool:
         since = max(self._last_load_at, self._last_probe_at)
-        return self._clock() - since >= PROBE_INTERVAL_S
+        return self._clock() - since >= self._probe_interval
+
+    def _probing_a_hit(self) -> bool:
+        """A probe started at a hit runs: the link was found slow (or is not
+        this engine's to know), so hits are computed until it ends. While
+        the engine start's probe runs, the prices at hand decide."""
+        return self.probes is not None and self.probes.busy and self._hit_probe
+
+    def _probed(self) -> None:
+        self._last_probe_at = self._clock()
+        self._probe_interval = min(2 * self._probe_interval, PROBE_INTERVAL_S)
 
     def declined(self, hit_tokens: int) -> None:
         """``hit_tokens`` found cached are computed for speed."""
@@ -280,16 +297,18 @@ class LoadCosts:
         if self.probes is not None:
             due = (not self._own_price or not wins) and self._probe_due()
             if due and self.probes.start(digests, hit_tokens // self.block_size):
-                self._last_probe_at = self._clock()
-            if self.probes.busy:
+                self._hit_probe = True
+                self._probed()
+            if self._probing_a_hit():
                 self.declined(hit_tokens)  # computed while the link is priced
                 return 0
         if wins:
             self._log_decision(True, load_s, compute_s)
+            self._probe_interval = FIRST_PROBE_INTERVAL_S
             return hit_tokens
         self._log_decision(False, load_s, compute_s)
         if self._probe_due() and self.probes is None:
-            self._last_probe_at = self._clock()
+            self._probed()
             self._probing = True
             return hit_tokens  # a probe: is the link faster again?
         self.declined(hit_tokens)
