@@ -232,19 +232,24 @@ def test_two_readers_read_a_loads_segments_at_once_and_copy_them_in_order(
     dst = h.blocks_for(80, length)
     before = h.kv.clone()
     loads = h.cache.loads
+    # Both readers stopped while the reads are sent, so neither answers
+    # before the check; then only the second one goes on.
     stop_process(h.pid("read"))
+    stop_process(h.pid("read1"))
     try:
         loads.start("r", h.digests(tokens), 0, total, dst)
         loads.poll()
         first, second = loads._in_flight
         assert first.reader is not second.reader
         assert (first.segment, second.segment) == (0, 1)
+        os.kill(h.pid("read1"), signal.SIGCONT)
         assert wait_until(second.reader.ready)  # the second read is answered
         loads.poll()
         assert loads._jobs["r"].loaded == 0  # waits for the first
         assert same_bits(h.kv, before)
     finally:
         os.kill(h.pid("read"), signal.SIGCONT)
+        os.kill(h.pid("read1"), signal.SIGCONT)
     loads.poll(wait=True)
     assert loads.take_finished() == [("r", total, total)]
     h.check_loaded(before, src[:n], dst[:n])
