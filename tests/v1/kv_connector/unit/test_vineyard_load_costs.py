@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     make_model_dir,
 )
 from tests.vineyard_testing import resume_processes
+from vllm.worker.vineyard.connector import load_costs
 from vllm.worker.vineyard.connector.load_costs import (
     FIRST_PROBE_INTERVAL_S,
     MARGIN,
@@ -207,6 +209,39 @@ def test_while_the_starts_probe_runs_the_prices_at_hand_decide(
     assert costs.promise(HIT) == 0
     assert metrics.take()["tokens_not_loaded_slow"] == HIT
     assert probes.started == []  # one probe at a time
+
+
+class HungLookup:
+    """A lookup whose timed reads wait until released (a hung root)."""
+
+    chunk_size = BLOCK_SIZE
+    block_size = BLOCK_SIZE
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def warm_up(self) -> None:
+        pass
+
+    def time_reads(self, *args: object) -> tuple[int, float]:
+        self.release.wait()
+        return 1, 1e-3
+
+
+def test_the_start_waits_a_bounded_time_for_its_probe(
+    costs: LoadCosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(load_costs, "START_PROBE_WAIT_S", 0.2)
+    lookup = HungLookup()
+    started = time.monotonic()
+    costs.probe_with(lookup)  # type: ignore[arg-type]
+    assert 0.2 <= time.monotonic() - started < 5.0
+    probes = costs.probes
+    assert probes is not None and probes.busy  # still running: not waited for
+    lookup.release.set()
+    assert probes.wait(5.0)
+    assert costs.promise(HIT) == HIT  # its price is in (nothing else known)
+    assert costs.load_s(1) == pytest.approx(1e-3)
 
 
 def test_with_probes_an_unknown_link_is_loaded(
@@ -446,6 +481,10 @@ def test_an_engine_prices_the_link_at_its_start(tmp_path: Path) -> None:
     worker = FakeWorker(config)
     engine = Engine(create_scheduler(config), worker)
     try:
+        connector = engine.scheduler.connector
+        assert isinstance(connector, VineyardConnector)
+        probes = connector._scheduler._costs.probes  # type: ignore[union-attr]
+        assert probes is not None and not probes.busy  # ready once priced
         costs = connector_costs(engine, FakeClock(), 1e-2)
         assert costs.loads_may_win()  # the probe's price replaced the old
         load_s = costs.load_s(1)

@@ -5,11 +5,11 @@ timed read of a hit's first chunk files, or at the engine's start of
 whichever chunk files the namespace lists first, on a thread and in a
 lookup process of its own (a probe on a slow or hung root holds up no
 lookup and no request), one at a time. :class:`~.load_costs.LoadCosts`
-asks for one at the start (so the first hit is decided by the link as it is
-now, not as a predecessor saw it), when its price of loading is still not
-this engine's own at a hit (the namespace had no chunk at the start), or
-when one is due again (the link was found too slow a while ago), and
-computes that hit meanwhile."""
+asks for one at the start, and the start waits for it (so the first hit is
+decided by the link as it is now, not as a predecessor saw it); at a hit
+when its price of loading is still not this engine's own (the namespace had
+no chunk at the start), or when one is due again (the link was found too
+slow a while ago), and computes that hit meanwhile."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ class LinkProbes:
         self._results: list[tuple[int, float]] = []
         self._lock = threading.Lock()
         self._busy = False  # a probe is queued or running
+        self._idle = threading.Event()
+        self._idle.set()
         threading.Thread(
             target=self._run, name="vineyard-cache-link-probe", daemon=True
         ).start()
@@ -60,6 +62,7 @@ class LinkProbes:
             if self._busy:
                 return False
             self._busy = True
+            self._idle.clear()
         self._queue.put(digests)
         return True
 
@@ -67,6 +70,11 @@ class LinkProbes:
     def busy(self) -> bool:
         """A probe is queued or running."""
         return self._busy
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the probe running to end; whether
+        none runs."""
+        return self._idle.wait(timeout_s)
 
     def take_results(self) -> list[tuple[int, float]]:
         """``(blocks, seconds)`` of the probes finished since the last call."""
@@ -93,3 +101,4 @@ class LinkProbes:
                 if result[0] > 0:
                     self._results.append(result)
                 self._busy = False
+                self._idle.set()

@@ -27,9 +27,10 @@ hit's first chunk files off the requests
 price replaces the old ones. Without probes (lookups in process) the hit
 itself is loaded as the probe (the workers stop any load that runs slower
 than computing the rest, so it costs little). Until both estimates exist,
-hits are loaded. The link is probed at the engine's start, off any
-request (hits that come while it runs are decided by the prices at hand);
-if the namespace has no chunk then, at the first hit. The estimates outlive the engine
+hits are loaded. The link is probed as the engine starts, off any
+request, and the start waits for it (up to :data:`START_PROBE_WAIT_S`; hits
+that come before it ends are decided by the prices at hand); if the
+namespace has no chunk then, at the first hit. The estimates outlive the engine
 (:class:`RememberedCosts`): a restarted engine starts from the prices its
 predecessor on this host saw for the same root and namespace (computing's
 until its own steps are timed; the link's until its probe ends).
@@ -73,6 +74,9 @@ MIN_STEP_TOKENS = 32
 #: (a guard against a burst of slow small steps).
 MAX_FIXED_SHARE = 0.8
 MAX_STEPS_IN_FLIGHT = 2
+#: The engine's start waits this long at most for its link probe (a hung
+#: root delays the start by no more).
+START_PROBE_WAIT_S = 3.0
 
 
 @dataclass
@@ -171,10 +175,27 @@ class LoadCosts:
     def probe_with(self, lookup: VineyardCacheLookup) -> None:
         """Price the link by timed reads in ``lookup``'s processes (on a
         thread of their own), not by loading hits; the first now, of any
-        chunk files (hits that come before it ends are computed)."""
-        if self.decide:
-            self.probes = LinkProbes(lookup)
-            self.probes.start_any()
+        chunk files, waited for up to :data:`START_PROBE_WAIT_S` (the engine
+        is not ready yet: its first hits are decided by the link as it is
+        now, and no process starts on its core as they come)."""
+        if not self.decide:
+            return
+        self.probes = LinkProbes(lookup)
+        self.probes.start_any()
+        if not self.probes.wait(START_PROBE_WAIT_S):
+            logger.warning(
+                "vineyard cache: the link probe at the start did not end "
+                "within %.0f s: hits are decided by remembered prices meanwhile",
+                START_PROBE_WAIT_S,
+            )
+            return
+        self._take_probes()
+        per_block = self.load_s(1)
+        if per_block is not None:
+            logger.info(
+                "vineyard cache: the root reads a block in %.2f ms",
+                1e3 * per_block,
+            )
 
     # ---- samples ---------------------------------------------------------
 
