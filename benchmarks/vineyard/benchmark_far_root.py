@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 
 from benchmark_engine import MODELS, Plan, engine  # noqa: E402
-from slow_fs import SlowFs  # noqa: E402
+from slow_fs import SlowFs, other_cores  # noqa: E402
 
 from tests import vineyard_toy_model as toy  # noqa: E402
 
@@ -86,10 +86,8 @@ def run_model(
     rounds = [{"prompts": [warm], "max_tokens": 1}] + [
         {"prompts": [p], "max_tokens": 1} for p in prompts
     ]
-    fs = SlowFs(work / f"{model}-fs", direct_io=True)
-    with contextlib.suppress(OSError):  # the daemon off the engines' core
-        others = os.sched_getaffinity(0) ^ set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(fs.proc.pid, others or os.sched_getaffinity(0))
+    # The daemon, every thread of it, off the engines' core.
+    fs = SlowFs(work / f"{model}-fs", direct_io=True, cores=other_cores())
     rows: list[dict[str, Any]] = []
     try:
         # Both policies of this cache read the same root.

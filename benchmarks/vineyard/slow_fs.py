@@ -13,7 +13,7 @@ answering).
 
     python benchmarks/vineyard/slow_fs.py BACKING_DIR MOUNTPOINT \
         [--latency-ms 20] [--io-latency-ms 20] [--read-mbps 16] \
-        [--direct-io] [--freeze-file PATH] [--control-file PATH]
+        [--direct-io] [--freeze-file PATH] [--control-file PATH] [--cores 1,2]
 
 The control file (JSON, written whole by :meth:`SlowFs.set`) changes them
 while mounted: ``latency_ms``, ``io_latency_ms``, ``read_mbps`` (0: no
@@ -68,6 +68,13 @@ def fuse_unavailable() -> str | None:
     return None
 
 
+def other_cores() -> set[int] | None:
+    """The cores this process may not run on (``None``: it may use all)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return (set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)) or None
+    return None
+
+
 class SlowFs:
     """This script mounted (in a process of its own) over ``work/backing``
     at ``work/mount``; :meth:`freeze` stops and resumes it. Without kernel
@@ -81,7 +88,10 @@ class SlowFs:
         io_latency_ms: float = 0.0,
         read_mbps: float = 0.0,
         direct_io: bool = False,
+        cores: set[int] | None = None,
     ):
+        """``cores``: where the daemon runs, every thread of it (e.g. off
+        the engines' cores, as a kernel client's work would be)."""
         self.backing = work / "backing"
         self.mount = work / "mount"
         self.freeze_file = work / "freeze"
@@ -94,7 +104,8 @@ class SlowFs:
              str(self.mount), "--latency-ms", str(latency_ms), "--io-latency-ms",
              str(io_latency_ms), "--read-mbps", str(read_mbps), "--freeze-file",
              str(self.freeze_file), "--control-file", str(self.control_file),
-             *(["--direct-io"] if direct_io or read_mbps else [])],
+             *(["--direct-io"] if direct_io or read_mbps else []),
+             *(["--cores", ",".join(map(str, sorted(cores)))] if cores else [])],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -359,7 +370,11 @@ def main() -> None:
     parser.add_argument("--freeze-file", default="")
     parser.add_argument("--control-file", default="")
     parser.add_argument("--direct-io", action="store_true")
+    parser.add_argument("--cores", default="", help="e.g. 1,2: run only there")
     args = parser.parse_args()
+    if args.cores:
+        # Before the mount: every thread libfuse starts inherits it.
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     fuse.FUSE(
         SlowPassthrough(
             args.backing,
