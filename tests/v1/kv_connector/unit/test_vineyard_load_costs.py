@@ -38,6 +38,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     MAX_FIXED_SHARE,
     MIN_STEP_TOKENS,
     PROBE_INTERVAL_S,
+    READ_AHEAD_STEP_SHARE,
     LoadCosts,
     RememberedCosts,
 )
@@ -323,6 +324,21 @@ def test_a_long_prompts_token_is_priced_by_long_prompts_steps(
     assert costs.compute_s(20000) == pytest.approx(20000 * 4e-4)
     assert costs.compute_s_per_token == pytest.approx(4e-4)  # the highest
     assert costs.stop_price(500) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("load_share", [0.4, 0.6])
+def test_a_hit_is_read_ahead_when_its_load_takes_over_half_a_step(
+    costs: LoadCosts, clock: FakeClock, load_share: float
+) -> None:
+    """A queued hit whose load takes over half a step is read ahead: a load
+    started with a step might not end in it."""
+    assert costs.worth_reading_ahead(HIT, 4 * MIN_STEP_TOKENS)  # nothing known
+    feed_compute(costs, clock, 1e-4)
+    step_s = costs.compute_s(4 * MIN_STEP_TOKENS)
+    assert step_s is not None
+    feed_loads(costs, clock, load_share * step_s / HIT)
+    worth = costs.worth_reading_ahead(HIT, 4 * MIN_STEP_TOKENS)
+    assert worth == (load_share > READ_AHEAD_STEP_SHARE)
 
 
 def test_a_burst_of_slow_small_steps_takes_only_a_share_of_a_step(

@@ -74,6 +74,11 @@ MIN_STEP_TOKENS = 32
 #: (a guard against a burst of slow small steps).
 MAX_FIXED_SHARE = 0.8
 MAX_STEPS_IN_FLIGHT = 2
+#: A queued hit is read ahead when its load is expected to take more than
+#: this share of a step: a load ends in the step that starts it only with
+#: room to spare (its reads start after the step does, on a busy machine,
+#: and a step is priced without its fixed cost).
+READ_AHEAD_STEP_SHARE = 0.5
 #: The engine's start waits this long at most for its link probe (a hung
 #: root delays the start by no more).
 START_PROBE_WAIT_S = 3.0
@@ -262,13 +267,16 @@ class LoadCosts:
         per_token = self._steps.per_token(tokens)
         return None if per_token is None else per_token * tokens
 
-    def loads_longer_than(self, hit_tokens: int, step_tokens: int) -> bool:
-        """Whether loading ``hit_tokens`` is expected to take longer than a
-        step of ``step_tokens`` (or either is not known yet): then a queued
-        request's hit is worth reading ahead."""
+    def worth_reading_ahead(self, hit_tokens: int, step_tokens: int) -> bool:
+        """Whether loading ``hit_tokens`` is expected to take more than
+        :data:`READ_AHEAD_STEP_SHARE` of a step of ``step_tokens`` (or
+        either is not known yet): then a queued request's hit is read ahead,
+        as its load might not end in the step that starts it."""
         load_s = self.load_s(hit_tokens // self.block_size)
         step_s = self.compute_s(step_tokens)
-        return load_s is None or step_s is None or load_s > step_s
+        if load_s is None or step_s is None:
+            return True
+        return load_s > READ_AHEAD_STEP_SHARE * step_s
 
     def loads_may_win(self) -> bool:
         """Whether a hit of any length may be loaded now: not while loading

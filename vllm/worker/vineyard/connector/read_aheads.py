@@ -69,7 +69,7 @@ class ReadAheads:
         """Read-aheads for the requests still queued whose lookups found
         more than vLLM likely holds, from the first chunk vLLM does not
         hold (as far as this instance knows) to the end of the hit, where
-        loading it is expected to take longer than a step like this one
+        loading it is expected to take more than half a step like this one
         (else its load ends in the step that starts it anyway, and reading
         ahead would only take the readers and the link from others)."""
         orders, bs = [], self._block_size
@@ -91,7 +91,7 @@ class ReadAheads:
                 local += 1
             start = local * chunk
             tokens = step.total_num_scheduled_tokens
-            if hit_end - start >= chunk and costs.loads_longer_than(
+            if hit_end - start >= chunk and costs.worth_reading_ahead(
                 hit_end - start, tokens
             ):
                 read_end = -(-hit_end // chunk) * bpc
