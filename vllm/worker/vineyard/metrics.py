@@ -64,7 +64,7 @@ COUNTERS: dict[str, str] = {
     "tokens_not_loaded_slow": "Cached tokens computed instead of loaded because "
     "loading them was predicted, or turned out, slower than computing them "
     "(a slow link to the root); a request that does not wait for its lookup "
-    "counts its hit when the lookup comes in.",
+    "counts its hit only if the lookup was in.",
     "loads_stopped_slow": "Loads stopped at a chunk boundary because they ran "
     "slower than computing the rest; the rest was computed.",
     "read_ahead_tokens": "Cached tokens read while their request was queued, "

@@ -84,20 +84,17 @@ class RequestState:
         for rank, saved in self.rank_saved.items():
             self.rank_saved[rank] = min(saved, token)
 
-    def found_late(self, hit_end: int, token: int) -> int:
-        """Its lookup, not waited for, found a hit up to ``hit_end`` and the
-        chunks up to ``token`` cached: its saves move on to there, unless a
-        load of it came up short meanwhile. Returns the hit's tokens (beyond
-        vLLM's own), which were computed."""
+    def found_late(self, token: int) -> None:
+        """Its lookup, not waited for, found the chunks up to ``token``
+        cached: its saves move on to there, unless a load of it came up
+        short meanwhile."""
         self.late_lookup = False
-        computed = max(0, min(hit_end, self.max_hit) - self.num_local_tokens)
         if self.max_hit == NEVER and token > self.save_from:
             self.save_from = token
             self.found = max(self.found, token)
             self.saved = max(self.saved, token)
             for rank, saved in self.rank_saved.items():
                 self.rank_saved[rank] = max(saved, token)
-        return computed
 
     def load_failed(self, invalid_block_ids: set[int], bs: int, chunk: int) -> None:
         """vLLM found these blocks not loaded: if its load had one, it is

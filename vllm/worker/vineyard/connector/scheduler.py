@@ -382,7 +382,7 @@ class VineyardConnectorScheduler:
             found = lookups.peek(req_id) if state.late_lookup else None
             if found is not None:  # its lookup, not waited for, is in now
                 lookups.forget(req_id)
-                self._costs.declined(state.found_late(*found))
+                state.found_late(found[1])
                 self._announce(state)
             num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
