@@ -9,10 +9,12 @@ chunks nor run extra passes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +27,7 @@ from tests.worker.vineyard.storage.sweeper_testing import (
     write_now,
 )
 from tests.worker.vineyard_disk_testing import chunk_files
-from vllm.worker.vineyard.storage import sweep_passes
+from vllm.worker.vineyard.storage import root_files, sweep_passes
 from vllm.worker.vineyard.storage.eviction import LOW_WATER
 from vllm.worker.vineyard.storage.root_files import (
     CLOCK_PROBE,
@@ -97,6 +99,30 @@ def test_unreadable_root_settings_leave_each_sweeper_its_own(
         read_root_settings(str(tmp_path))
     s.sweep(now)
     assert settings.is_symlink() and target.read_text().startswith("{")
+
+
+def test_settings_replaced_through_another_client_are_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A network filesystem answers ESTALE once where another client
+    replaced the file: the settings are read again, not given up on (a
+    sweeper would sweep with its own meanwhile). Twice: an error."""
+    settings = RootSettings(1 << 30, 60.0)
+    record_root_settings(str(tmp_path), settings)
+    read_json = root_files.read_json
+    stale_left = [1]  # reads answered ESTALE before the file is found
+
+    def stale_first(path: str, max_bytes: int) -> dict[str, Any]:
+        if stale_left[0] > 0:
+            stale_left[0] -= 1
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return read_json(path, max_bytes)
+
+    monkeypatch.setattr(root_files, "read_json", stale_first)
+    assert read_root_settings(str(tmp_path)) == settings
+    stale_left[0] = 2
+    with pytest.raises(OSError):
+        read_root_settings(str(tmp_path))
 
 
 @pytest.mark.parametrize("skew_s", [600.0, -600.0], ids=["ahead", "behind"])
