@@ -147,7 +147,15 @@ def test_requests_that_opt_out_or_cap(
 ) -> None:
     run, _ = runs
     full = [cacheable_prefix(len(p)) for p in prompts["P"]]
-    assert run.rounds[round_index("hit")].num_cached_tokens == full
+    hit = round_index("hit")
+    first, second = run.rounds[hit].num_cached_tokens
+    assert first == full[0]  # nothing priced yet: loaded whole
+    # The second loads whole too, unless the first load, on a machine busy
+    # with other engines, priced the link slow: then it says so.
+    slow = run.delta(hit, "tokens_not_loaded_slow") + run.delta(
+        hit, "loads_stopped_slow"
+    )
+    assert second == full[1] or slow > 0
     for label in ("opt-out-new", "opt-out-cached"):
         i = round_index(label)
         assert set(run.rounds[i].num_cached_tokens) == {0}, label
