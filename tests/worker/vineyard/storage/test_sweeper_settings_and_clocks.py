@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,7 +26,7 @@ from tests.worker.vineyard.storage.sweeper_testing import (
     write_now,
 )
 from tests.worker.vineyard_disk_testing import chunk_files
-from vllm.worker.vineyard.storage import root_files, sweep_passes
+from vllm.worker.vineyard.storage import safe_io, sweep_passes
 from vllm.worker.vineyard.storage.eviction import LOW_WATER
 from vllm.worker.vineyard.storage.root_files import (
     CLOCK_PROBE,
@@ -109,16 +108,16 @@ def test_settings_replaced_through_another_client_are_read_again(
     sweeper would sweep with its own meanwhile). Twice: an error."""
     settings = RootSettings(1 << 30, 60.0)
     record_root_settings(str(tmp_path), settings)
-    read_json = root_files.read_json
+    read_small_file = safe_io._read_small_file
     stale_left = [1]  # reads answered ESTALE before the file is found
 
-    def stale_first(path: str, max_bytes: int) -> dict[str, Any]:
+    def stale_first(path: str, max_bytes: int, dir_fd: int | None) -> bytes:
         if stale_left[0] > 0:
             stale_left[0] -= 1
             raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
-        return read_json(path, max_bytes)
+        return read_small_file(path, max_bytes, dir_fd)
 
-    monkeypatch.setattr(root_files, "read_json", stale_first)
+    monkeypatch.setattr(safe_io, "_read_small_file", stale_first)
     assert read_root_settings(str(tmp_path)) == settings
     stale_left[0] = 2
     with pytest.raises(OSError):

@@ -14,7 +14,6 @@ Imports neither vLLM nor torch (the sweeper runs in the backend process).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
@@ -23,7 +22,6 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from vllm.worker.vineyard.config import MAX_TTL_S
 from vllm.worker.vineyard.storage.file_modes import OWNER_ONLY, FileModes
@@ -194,25 +192,12 @@ class RootSettings:
         return f"disk limit {self.disk_limit_bytes / (1 << 30):g} GiB, TTL {ttl}"
 
 
-def _read_settings_file(root: str) -> dict[str, Any]:
-    """The settings file's JSON, read again once where the file was
-    replaced through another client of a network filesystem meanwhile
-    (``ESTALE``: a new lookup of the path finds the new file)."""
-    path = os.path.join(root, ROOT_SETTINGS)
-    try:
-        return read_json(path, MAX_SETTINGS_BYTES)
-    except OSError as e:
-        if e.errno != errno.ESTALE:
-            raise
-        return read_json(path, MAX_SETTINGS_BYTES)
-
-
 def read_root_settings(root: str) -> RootSettings | None:
     """The root's recorded settings, or ``None`` where none are. Raises
     ``ValueError`` when the file holds no valid settings and ``OSError``
     when it cannot be read (never follows a link, never blocks)."""
     try:
-        doc = _read_settings_file(root)
+        doc = read_json(os.path.join(root, ROOT_SETTINGS), MAX_SETTINGS_BYTES)
         return RootSettings(doc["disk_limit_bytes"], doc["ttl_s"])
     except FileNotFoundError:
         return None

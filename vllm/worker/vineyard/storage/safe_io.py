@@ -10,6 +10,7 @@ Imports neither vLLM nor torch (the sweeper runs in the backend process).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -41,7 +42,24 @@ def read_json(path: str, max_bytes: int, dir_fd: int | None = None) -> dict[str,
     read (``FileNotFoundError`` when absent, also through a link: never
     followed), :class:`NotRegularFileError` when it is no regular file, and
     ``ValueError`` saying why when it is larger than ``max_bytes`` or holds
-    no JSON object."""
+    no JSON object.
+
+    Read again once where a network filesystem answers ``ESTALE``: another
+    client replaced the file meanwhile, and a new lookup of the path finds
+    the new one."""
+    try:
+        raw = _read_small_file(path, max_bytes, dir_fd)
+    except OSError as e:
+        if e.errno != errno.ESTALE:
+            raise
+        raw = _read_small_file(path, max_bytes, dir_fd)
+    doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    return doc
+
+
+def _read_small_file(path: str, max_bytes: int, dir_fd: int | None) -> bytes:
     fd = os.open(path, OPEN_FILE, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
@@ -54,10 +72,7 @@ def read_json(path: str, max_bytes: int, dir_fd: int | None = None) -> dict[str,
         os.close(fd)
     if len(raw) > max_bytes:
         raise ValueError("too large")
-    doc = json.loads(raw)
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    return doc
+    return raw
 
 
 def write_json(
