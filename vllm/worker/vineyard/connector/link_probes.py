@@ -38,8 +38,7 @@ class LinkProbes:
         self._queue: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._results: list[tuple[int, float]] = []
         self._lock = threading.Lock()
-        self._busy = False  # a probe is queued or running
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # cleared while a probe is queued or runs
         self._idle.set()
         threading.Thread(
             target=self._run, name="vineyard-cache-link-probe", daemon=True
@@ -59,9 +58,8 @@ class LinkProbes:
 
     def _put(self, digests: list[bytes]) -> bool:
         with self._lock:
-            if self._busy:
+            if not self._idle.is_set():
                 return False
-            self._busy = True
             self._idle.clear()
         self._queue.put(digests)
         return True
@@ -69,7 +67,7 @@ class LinkProbes:
     @property
     def busy(self) -> bool:
         """A probe is queued or running."""
-        return self._busy
+        return not self._idle.is_set()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the probe running to end; whether
@@ -100,5 +98,4 @@ class LinkProbes:
             with self._lock:
                 if result[0] > 0:
                     self._results.append(result)
-                self._busy = False
                 self._idle.set()
