@@ -10,8 +10,12 @@ per session and shared.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +34,27 @@ from tests.vineyard_toy_model import ToyLlamaConfig, make_toy_llama
 @pytest.fixture(scope="session")
 def toy_model_factory(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
     """``factory(**ToyLlamaConfig fields)``: a checkpoint directory, made
-    once per session for each config."""
-    made: dict[ToyLlamaConfig, str] = {}
+    once per session for each config and shared by the session's
+    pytest-xdist workers (one copy on disk; engines only read it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above each worker's
+    models = shared / "toy_models"
+    models.mkdir(exist_ok=True)
 
     def factory(**fields: Any) -> str:
         config = ToyLlamaConfig(**fields)
-        if config not in made:
-            made[config] = make_toy_llama(
-                str(tmp_path_factory.mktemp("toy_llama")), config
-            )
-        return made[config]
+        key = hashlib.sha256(repr(config).encode()).hexdigest()[:16]
+        path = models / key
+        if not path.is_dir():
+            # Made aside and renamed into place: a worker that loses the
+            # race drops its own copy and uses the winner's.
+            made = make_toy_llama(tempfile.mkdtemp(dir=models), config)
+            try:
+                os.rename(made, path)
+            except OSError:
+                shutil.rmtree(made, ignore_errors=True)
+        return str(path)
 
     return factory
 
@@ -91,6 +106,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRunner:
 @pytest.fixture(scope="module")
 def module_dir(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """A directory for a module's engines and cache roots."""
-    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+) -> Iterator[Path]:
+    """A directory for a module's engines and cache roots; removed after
+    the module where none of its tests failed (the suite's disk stays
+    small), kept for a look where one did."""
+    failed_before = request.session.testsfailed
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
