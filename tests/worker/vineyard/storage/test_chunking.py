@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""With no chunk size set, a root's chunks hold as many blocks as its round
-trip asks for, chosen once and recorded in the root so every instance on it
-agrees (the chunk size is part of the namespace)."""
+"""With no chunk size set, a root's chunks hold as many tokens as its round
+trip asks for, in whole blocks, chosen once and recorded in the root so every
+instance on it agrees (the chunk size is part of the namespace)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,51 @@ import pytest
 
 from tests.script_testing import mount_slow_fs
 from vllm.worker.vineyard.storage import chunking
-from vllm.worker.vineyard.storage.chunking import (
-    blocks_for_round_trip,
-    blocks_per_chunk_of,
-)
+from vllm.worker.vineyard.storage.chunking import blocks_per_chunk_of
 from vllm.worker.vineyard.storage.root_files import CHUNKING
 
 
 @pytest.mark.parametrize(
-    "round_trip_ms,blocks",
-    [(0.02, 1), (0.9, 1), (1.0, 2), (3.0, 2), (5.0, 4), (20.0, 8)],
-)
-def test_blocks_for_round_trip(round_trip_ms: float, blocks: int) -> None:
-    assert blocks_for_round_trip(round_trip_ms / 1e3) == blocks
+    "round_trip_ms,block_size,blocks",
+    [
+        (0.02, 16, 1), (0.9, 16, 1), (1.0, 16, 2), (3.0, 16, 2), (5.0, 16, 4),
+        (20.0, 16, 8),
+        # vLLM's CPU backend: blocks of 128 tokens already hold the most
+        # tokens a chunk takes (8 would cache nothing of shorter prompts).
+        (0.02, 128, 1), (5.0, 128, 1), (20.0, 128, 1), (20.0, 32, 4),
+    ],
+)  # fmt: skip
+def test_blocks_for_round_trip(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    round_trip_ms: float,
+    block_size: int,
+    blocks: int,
+) -> None:
+    monkeypatch.setattr(
+        chunking, "measure_round_trip", lambda root: round_trip_ms / 1e3
+    )
+    assert blocks_per_chunk_of(str(tmp_path), block_size) == blocks
+
+
+def test_the_record_is_in_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root chosen by an instance with 16-token blocks: one with
+    128-token blocks takes the same tokens per chunk, not the same blocks."""
+    monkeypatch.setattr(chunking, "measure_round_trip", lambda root: 0.010)
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 4
+    assert blocks_per_chunk_of(str(tmp_path), 128) == 1
+    assert blocks_per_chunk_of(str(tmp_path), 32) == 2
+
+
+def test_an_earlier_versions_record_in_blocks_is_kept(tmp_path: Path) -> None:
+    (tmp_path / CHUNKING).write_text('{"blocks_per_chunk": 2}')
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 2
 
 
 def test_a_local_root_keeps_one_block_and_records_it(tmp_path: Path) -> None:
-    assert blocks_per_chunk_of(str(tmp_path)) == 1
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 1
     assert (tmp_path / CHUNKING).exists()
 
 
@@ -36,18 +64,18 @@ def test_the_first_choice_recorded_wins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chunking, "measure_round_trip", lambda root: 0.010)
-    assert blocks_per_chunk_of(str(tmp_path)) == 4
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 4
     # Another instance, nearer: it takes the recorded choice.
     monkeypatch.setattr(chunking, "measure_round_trip", lambda root: 0.0001)
-    assert blocks_per_chunk_of(str(tmp_path)) == 4
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 4
 
 
 def test_a_planted_record_is_not_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / CHUNKING).write_text('{"blocks_per_chunk": 100000}')
+    (tmp_path / CHUNKING).write_text('{"chunk_tokens": 100000000}')
     monkeypatch.setattr(chunking, "measure_round_trip", lambda root: 0.002)
-    assert blocks_per_chunk_of(str(tmp_path)) == 2
+    assert blocks_per_chunk_of(str(tmp_path), 16) == 2
 
 
 def test_a_root_a_network_away_is_measured_as_such(tmp_path: Path) -> None:
@@ -57,6 +85,6 @@ def test_a_root_a_network_away_is_measured_as_such(tmp_path: Path) -> None:
     try:
         root = fs.mount / "root"
         root.mkdir()
-        assert blocks_per_chunk_of(str(root)) == 4
+        assert blocks_per_chunk_of(str(root), 16) == 4
     finally:
         fs.close()

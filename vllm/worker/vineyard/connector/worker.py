@@ -84,7 +84,7 @@ def layout_for(
             modes = file_modes(config.group_access)
             try:
                 root = check_root(config.root, modes, config.setting("root"))
-                chunk_size = block_size * blocks_per_chunk_of(root, modes)
+                chunk_size = block_size * blocks_per_chunk_of(root, block_size, modes)
             except OSError as e:
                 raise BackendError(f"cannot reach the cache root: {e}") from e
         model_config = vllm_config.model_config

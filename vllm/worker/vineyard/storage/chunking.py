@@ -8,9 +8,12 @@ differently would share nothing).
 
 Each chunk file costs a fixed number of round trips to write (create,
 sync, rename, ...) and one ``stat`` to look up, whatever its size; on a
-root a network away those dominate a save unless a file holds several
-blocks. Larger chunks make hits coarser (a prompt's last partial chunk is
-not cached), so a local disk keeps one block per chunk.
+root a network away those dominate a save unless a file holds enough
+tokens. Larger chunks make hits coarser (a prompt's last partial chunk is
+not cached), so a local disk keeps one block per chunk, and the target is
+in tokens, not blocks: files per prompt is what the round trips multiply,
+and a KV block holds 16 tokens on a GPU but 128 on vLLM's CPU backend
+(eight of those would leave a 1,000-token prompt nothing cached).
 
 Imports neither vLLM nor torch.
 """
@@ -30,18 +33,43 @@ from vllm.worker.vineyard.storage.root_files import (
 )
 from vllm.worker.vineyard.storage.safe_io import read_json, write_json
 
-#: (round trip below this many seconds, blocks per chunk), in order.
-BLOCKS_BY_ROUND_TRIP = ((0.001, 1), (0.004, 2), (0.016, 4))
+#: (round trip below this many seconds, tokens per chunk), in order.
+TOKENS_BY_ROUND_TRIP = ((0.001, 16), (0.004, 32), (0.016, 64))
 #: Beyond the last round trip above.
-MOST_BLOCKS_PER_CHUNK = 8
+MOST_TOKENS_PER_CHUNK = 128
+#: The largest recorded choice trusted (a planted one is measured again).
+MAX_CHUNK_TOKENS = 1 << 13
 _PROBES = 5
 
 
-def blocks_for_round_trip(round_trip_s: float) -> int:
-    for below, blocks in BLOCKS_BY_ROUND_TRIP:
+def tokens_for_round_trip(round_trip_s: float) -> int:
+    for below, tokens in TOKENS_BY_ROUND_TRIP:
         if round_trip_s < below:
-            return blocks
-    return MOST_BLOCKS_PER_CHUNK
+            return tokens
+    return MOST_TOKENS_PER_CHUNK
+
+
+def blocks_per_chunk_of(
+    root: str, block_size: int, modes: FileModes = OWNER_ONLY
+) -> int:
+    """Blocks of ``block_size`` tokens per chunk: the tokens per chunk
+    recorded for ``root``, or (none yet) chosen from its measured round trip
+    and recorded (the first recorder wins), in whole blocks, at least one.
+    Raises ``OSError`` when the root can be neither read nor measured."""
+    recorded = _read(root, block_size)
+    if recorded is not None:
+        return recorded
+    round_trip_s = measure_round_trip(root)
+    tokens = tokens_for_round_trip(round_trip_s)
+    doc = {
+        "chunk_tokens": tokens,
+        "round_trip_ms": round(1e3 * round_trip_s, 3),
+        "recorded_at": time.time(),
+        "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
+    }
+    write_json(root, CHUNKING, doc, modes, replace=False)
+    recorded = _read(root, block_size)
+    return recorded if recorded is not None else max(1, tokens // block_size)
 
 
 def measure_round_trip(root: str) -> float:
@@ -57,30 +85,15 @@ def measure_round_trip(root: str) -> float:
     return statistics.median(times)
 
 
-def blocks_per_chunk_of(root: str, modes: FileModes = OWNER_ONLY) -> int:
-    """The blocks per chunk recorded for ``root``, or (none yet) chosen
-    from its measured round trip and recorded (the first recorder wins).
-    Raises ``OSError`` when the root can be neither read nor measured."""
-    recorded = _read(root)
-    if recorded is not None:
-        return recorded
-    round_trip_s = measure_round_trip(root)
-    blocks = blocks_for_round_trip(round_trip_s)
-    doc = {
-        "blocks_per_chunk": blocks,
-        "round_trip_ms": round(1e3 * round_trip_s, 3),
-        "recorded_at": time.time(),
-        "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
-    }
-    write_json(root, CHUNKING, doc, modes, replace=False)
-    recorded = _read(root)
-    return recorded if recorded is not None else blocks
-
-
-def _read(root: str) -> int | None:
+def _read(root: str, block_size: int) -> int | None:
     try:
         doc = read_json(os.path.join(root, CHUNKING), 1 << 16)
-        blocks = doc["blocks_per_chunk"]
+        if "chunk_tokens" in doc:
+            tokens = doc["chunk_tokens"]
+            if type(tokens) is not int or not 1 <= tokens <= MAX_CHUNK_TOKENS:
+                return None
+            return max(1, tokens // block_size)
+        blocks = doc["blocks_per_chunk"]  # recorded by an earlier version
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, OSError):
