@@ -6,6 +6,7 @@ instance on it agrees (the chunk size is part of the namespace)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,18 @@ def test_the_record_is_in_tokens(
     assert blocks_per_chunk_of(str(tmp_path), 32) == 2
 
 
-def test_an_earlier_versions_record_in_blocks_is_kept(tmp_path: Path) -> None:
-    (tmp_path / CHUNKING).write_text('{"blocks_per_chunk": 2}')
-    assert blocks_per_chunk_of(str(tmp_path), 16) == 2
+def test_an_earlier_versions_record_in_blocks_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways: an earlier version's record (blocks only) is honoured, and
+    a record made now says its blocks too, for an earlier version."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / CHUNKING).write_text('{"blocks_per_chunk": 2}')
+    assert blocks_per_chunk_of(str(tmp_path / "old"), 16) == 2
+    monkeypatch.setattr(chunking, "measure_round_trip", lambda root: 0.010)
+    blocks_per_chunk_of(str(tmp_path), 16)
+    record = json.loads((tmp_path / CHUNKING).read_text())
+    assert (record["chunk_tokens"], record["blocks_per_chunk"]) == (64, 4)
 
 
 def test_a_local_root_keeps_one_block_and_records_it(tmp_path: Path) -> None:

@@ -63,6 +63,8 @@ def blocks_per_chunk_of(
     tokens = tokens_for_round_trip(round_trip_s)
     doc = {
         "chunk_tokens": tokens,
+        # What an earlier version reads (with this recorder's blocks).
+        "blocks_per_chunk": max(1, tokens // block_size),
         "round_trip_ms": round(1e3 * round_trip_s, 3),
         "recorded_at": time.time(),
         "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
