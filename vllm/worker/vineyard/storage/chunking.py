@@ -49,6 +49,12 @@ def tokens_for_round_trip(round_trip_s: float) -> int:
     return MOST_TOKENS_PER_CHUNK
 
 
+def _whole_blocks(tokens: int, block_size: int) -> int:
+    """The blocks of ``block_size`` tokens that fit in ``tokens``, at least
+    one."""
+    return max(1, tokens // block_size)
+
+
 def blocks_per_chunk_of(
     root: str, block_size: int, modes: FileModes = OWNER_ONLY
 ) -> int:
@@ -64,14 +70,14 @@ def blocks_per_chunk_of(
     doc = {
         "chunk_tokens": tokens,
         # What an earlier version reads (with this recorder's blocks).
-        "blocks_per_chunk": max(1, tokens // block_size),
+        "blocks_per_chunk": _whole_blocks(tokens, block_size),
         "round_trip_ms": round(1e3 * round_trip_s, 3),
         "recorded_at": time.time(),
         "recorded_by": f"{socket.gethostname()} pid {os.getpid()}",
     }
     write_json(root, CHUNKING, doc, modes, replace=False)
     recorded = _read(root, block_size)
-    return recorded if recorded is not None else max(1, tokens // block_size)
+    return recorded if recorded is not None else _whole_blocks(tokens, block_size)
 
 
 def measure_round_trip(root: str) -> float:
@@ -94,7 +100,7 @@ def _read(root: str, block_size: int) -> int | None:
             tokens = doc["chunk_tokens"]
             if type(tokens) is not int or not 1 <= tokens <= MAX_CHUNK_TOKENS:
                 return None
-            return max(1, tokens // block_size)
+            return _whole_blocks(tokens, block_size)
         blocks = doc["blocks_per_chunk"]  # recorded by an earlier version
     except FileNotFoundError:
         return None
