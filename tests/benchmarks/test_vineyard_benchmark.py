@@ -24,6 +24,8 @@ import pytest
 
 from tests.script_testing import ROOT, clean_env, mount_slow_fs
 
+pytestmark = pytest.mark.engine
+
 SCRIPTS = ROOT / "benchmarks" / "vineyard"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
