@@ -30,17 +30,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(
-    config: pytest.Config, items: list[pytest.Item]
-) -> None:
-    """Files that start engines (minutes each) run first, the many quick
-    unit tests last: each file goes whole to one xdist worker, in this
-    order, so the unit tests fill the end and the workers finish together
-    instead of one waiting for the other's last engine file."""
-    engine_files = {item.path for item in items if item.get_closest_marker("engine")}
-    items.sort(key=lambda item: item.path not in engine_files)
-
-
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default, see pyproject.toml): one pytest-xdist worker
     per core, at most four. Engine tests compute on their worker's core
