@@ -1,19 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The link probe's timed reads: whole chunk files of a prefix, in order,
-up to a byte budget, stopping at the first missing or empty (placeholder)
-file (:func:`time_chunk_reads`); or, at an engine's start, whichever chunk
-files the namespace lists, in either layout (:func:`time_any_chunk_reads`)."""
+"""The lookup's count of leading chunks on disk, one ``stat`` at a time on
+a local disk and all at once on a root a round trip away
+(:func:`count_complete_chunks`); and the link probe's timed reads: whole
+chunk files of a prefix, in order, up to a byte budget, stopping at the
+first missing or empty (placeholder) file (:func:`time_chunk_reads`); or,
+at an engine's start, whichever chunk files the namespace lists, in either
+layout (:func:`time_any_chunk_reads`)."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.script_testing import mount_slow_fs
+from vllm.worker.vineyard.storage import cached_chunks
 from vllm.worker.vineyard.storage.cached_chunks import (
+    STATS_AT_ONCE,
+    count_complete_chunks,
     time_any_chunk_reads,
     time_chunk_reads,
 )
@@ -32,6 +41,101 @@ def files(tmp_path: Path) -> ChunkFiles:
         Path(files.path(ids)).write_bytes(b"\0" * files.file_bytes(len(ids)))
     Path(files.path(IDS[: 5 * BPC])).write_bytes(b"")
     return files
+
+
+def write_chunks(files: ChunkFiles, ids: list[int], chunks: Sequence[int]) -> None:
+    os.makedirs(files.namespace_dir, exist_ok=True)
+    for k in chunks:
+        prefix = ids[: (k + 1) * BPC]
+        Path(files.path(prefix)).write_bytes(b"\0" * files.file_bytes(len(prefix)))
+
+
+@pytest.mark.parametrize(
+    ("max_chunks", "found", "stats"),
+    [(6, 4, 5), (3, 3, 3), (0, 0, 0)],  # the placeholder (chunk 4) is no chunk
+)
+def test_a_local_lookup_stats_up_to_the_first_missing_chunk(
+    files: ChunkFiles,
+    max_chunks: int,
+    found: int,
+    stats: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Quick stat calls (however long this busy machine makes the first).
+    monkeypatch.setattr(cached_chunks, "FAR_STAT_S", 10.0)
+    assert count_complete_chunks(files, IDS, max_chunks) == (found, stats)
+
+
+#: 48 chunks' ids: three waves of stat calls after the first.
+MANY_IDS = list(range(1, 1 + 48 * BPC))
+
+
+@pytest.mark.parametrize(
+    ("on_disk", "found", "stats"),
+    [
+        (range(48), 48, 48),  # every chunk, in waves of 16, 16 and 15
+        (range(40), 40, 48),  # the last wave's misses are made in vain
+        ([*range(20), *range(21, 48)], 20, 33),  # a hole ends the hit there
+        (range(1, 48), 0, 1),  # no first chunk: one stat
+    ],
+)
+def test_a_far_lookup_stats_at_once(
+    tmp_path: Path, on_disk: Sequence[int], found: int, stats: int
+) -> None:
+    """On the benchmark's FUSE root with a round trip on every ``stat``:
+    after the first, the calls go out at once, each wave up to the first
+    missing chunk."""
+    fs = mount_slow_fs(tmp_path / "fs", latency_ms=5.0)
+    try:
+        files = ChunkFiles(str(fs.mount / "ns"), BPC, ENTRY)
+        write_chunks(files, MANY_IDS, on_disk)
+        assert count_complete_chunks(files, MANY_IDS, 48) == (found, stats)
+    finally:
+        fs.close()
+
+
+def test_far_stats_run_at_once_and_survive_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a ``stat`` is slow (here the second: the first chunk's is
+    answered from a client's attribute cache), at most
+    :data:`STATS_AT_ONCE` are in flight together (more than one); one that
+    raises counts as missing and leaves the threads serving the next
+    lookup."""
+    files = ChunkFiles(str(tmp_path / "ns"), BPC, ENTRY)
+    write_chunks(files, MANY_IDS, range(48))
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+    failing: set[int] = set()
+    is_complete = ChunkFiles.is_complete
+
+    def slow_is_complete(self: ChunkFiles, ids: Sequence[int], avoid=None) -> bool:
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        try:
+            if len(ids) > BPC:
+                time.sleep(0.002)  # a round trip (above FAR_STAT_S)
+            if len(ids) // BPC in failing:
+                raise RuntimeError("a stat that fails oddly")
+            return is_complete(self, ids, avoid)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(ChunkFiles, "is_complete", slow_is_complete)
+    assert count_complete_chunks(files, MANY_IDS, 48) == (48, 48)
+    assert 1 < most <= STATS_AT_ONCE
+    failing.add(30)  # the 30th chunk's stat raises
+    assert count_complete_chunks(files, MANY_IDS, 48) == (29, 34)
+    failing.clear()
+    assert count_complete_chunks(files, MANY_IDS, 48) == (48, 48)
+    # Where every stat is quick, one at a time.
+    monkeypatch.setattr(cached_chunks, "FAR_STAT_S", 10.0)
+    most = 0
+    assert count_complete_chunks(files, MANY_IDS, 40) == (40, 40)
+    assert most == 1
 
 
 @pytest.mark.parametrize(

@@ -194,22 +194,6 @@ class ChunkFiles:
                 return False
         return st.st_size == self.file_bytes(len(ids))
 
-    def count_complete(
-        self,
-        ids: Sequence[int],
-        max_chunks: int,
-        avoid: Mapping[str, tuple[int, int]] | None = None,
-    ) -> int:
-        """How many leading chunks of ``ids`` are on disk, by ``stat`` only
-        (no KV is read): one metadata call per chunk, stopping at the first
-        missing one (so at most ``result + 1`` calls). ``avoid``: see
-        :meth:`is_complete`."""
-        bpc = self.blocks_per_chunk
-        n = 0
-        while n < max_chunks and self.is_complete(ids[: (n + 1) * bpc], avoid):
-            n += 1
-        return n
-
     def touch(self, ids: Sequence[int], first_chunk: int, num_chunks: int) -> None:
         """Mark chunks as used now (their mtime is their last use)."""
         bpc = self.blocks_per_chunk
