@@ -40,7 +40,7 @@ from core_harness import (  # noqa: E402
 )
 from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
 
-from vllm.worker.vineyard.storage import cached_chunks  # noqa: E402
+from vllm.worker.vineyard.storage import far_calls  # noqa: E402
 
 #: The slow root: a remote filesystem's round trip on every ``stat`` and
 #: ``open`` and on each file's first ``read`` and ``fsync``.
@@ -77,12 +77,12 @@ def lookups_one_stat_at_a_time(
 ) -> dict[str, Any]:
     """:func:`measure_lookups` with each ``stat`` made after the one before
     (as if every root were local)."""
-    far_stat_s = cached_chunks.FAR_STAT_S
-    cached_chunks.FAR_STAT_S = math.inf
+    far_call_s = far_calls.FAR_CALL_S
+    far_calls.FAR_CALL_S = math.inf
     try:
         return measure_lookups(b, digests, n=n)
     finally:
-        cached_chunks.FAR_STAT_S = far_stat_s
+        far_calls.FAR_CALL_S = far_call_s
 
 
 def measure_chunk_sweep(

@@ -11,17 +11,14 @@ layout (:func:`time_any_chunk_reads`)."""
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.script_testing import mount_slow_fs
-from vllm.worker.vineyard.storage import cached_chunks
+from vllm.worker.vineyard.storage import far_calls
 from vllm.worker.vineyard.storage.cached_chunks import (
-    STATS_AT_ONCE,
     count_complete_chunks,
     time_any_chunk_reads,
     time_chunk_reads,
@@ -62,7 +59,7 @@ def test_a_local_lookup_stats_up_to_the_first_missing_chunk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Quick stat calls (however long this busy machine makes the first).
-    monkeypatch.setattr(cached_chunks, "FAR_STAT_S", 10.0)
+    monkeypatch.setattr(far_calls, "FAR_CALL_S", 10.0)
     assert count_complete_chunks(files, IDS, max_chunks) == (found, stats)
 
 
@@ -92,50 +89,6 @@ def test_a_far_lookup_stats_at_once(
         assert count_complete_chunks(files, MANY_IDS, 48) == (found, stats)
     finally:
         fs.close()
-
-
-def test_far_stats_run_at_once_and_survive_errors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Once a ``stat`` is slow (here the second: the first chunk's is
-    answered from a client's attribute cache), at most
-    :data:`STATS_AT_ONCE` are in flight together (more than one); one that
-    raises counts as missing and leaves the threads serving the next
-    lookup."""
-    files = ChunkFiles(str(tmp_path / "ns"), BPC, ENTRY)
-    write_chunks(files, MANY_IDS, range(48))
-    in_flight, most = 0, 0
-    lock = threading.Lock()
-    failing: set[int] = set()
-    is_complete = ChunkFiles.is_complete
-
-    def slow_is_complete(self: ChunkFiles, ids: Sequence[int], avoid=None) -> bool:
-        nonlocal in_flight, most
-        with lock:
-            in_flight += 1
-            most = max(most, in_flight)
-        try:
-            if len(ids) > BPC:
-                time.sleep(0.002)  # a round trip (above FAR_STAT_S)
-            if len(ids) // BPC in failing:
-                raise RuntimeError("a stat that fails oddly")
-            return is_complete(self, ids, avoid)
-        finally:
-            with lock:
-                in_flight -= 1
-
-    monkeypatch.setattr(ChunkFiles, "is_complete", slow_is_complete)
-    assert count_complete_chunks(files, MANY_IDS, 48) == (48, 48)
-    assert 1 < most <= STATS_AT_ONCE
-    failing.add(30)  # the 30th chunk's stat raises
-    assert count_complete_chunks(files, MANY_IDS, 48) == (29, 34)
-    failing.clear()
-    assert count_complete_chunks(files, MANY_IDS, 48) == (48, 48)
-    # Where every stat is quick, one at a time.
-    monkeypatch.setattr(cached_chunks, "FAR_STAT_S", 10.0)
-    most = 0
-    assert count_complete_chunks(files, MANY_IDS, 40) == (40, 40)
-    assert most == 1
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ from vllm.worker.vineyard.backend.write_errors import (
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.digests import load_auth_key, synthetic_id
+from vllm.worker.vineyard.storage.far_calls import calls_at_once_when_far
 from vllm.worker.vineyard.storage.sealing import Sealer
 from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
@@ -230,14 +231,19 @@ class VineyardServer:
         self, prefix: list[int], ids: list[int]
     ) -> Iterator[tuple[int, str, int | None]]:
         """``(end, path, mode)`` of the path of each whole chunk of ``ids``
-        (``mode`` from ``lstat``, ``None`` if nothing is there)."""
-        bpc = self._spec.blocks_per_chunk
-        for end in range(bpc, len(ids) + 1, bpc):
+        (``mode`` from ``lstat``, ``None`` if nothing is there), lazily; on
+        a far root the ``lstat`` calls go out at once
+        (:func:`calls_at_once_when_far`)."""
+
+        def entry(end: int) -> tuple[int, str, int | None]:
             path = self._files.path(prefix + ids[:end])
             try:
-                yield end, path, os.lstat(path).st_mode
+                return end, path, os.lstat(path).st_mode
             except OSError:
-                yield end, path, None
+                return end, path, None
+
+        bpc = self._spec.blocks_per_chunk
+        return calls_at_once_when_far(entry, range(bpc, len(ids) + 1, bpc))
 
     def _clear_chunk_paths(self, prefix: list[int], ids: list[int]) -> int:
         """Before vineyard writes these chunks: what is at their paths and

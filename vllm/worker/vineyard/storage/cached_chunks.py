@@ -3,7 +3,8 @@
 """The lookup's count of cached chunks (:func:`count_cached_chunks`): by
 ``stat`` alone, from a prefix's ids (no walk of the root, no KV read), for
 the scheduler's lookup process and the backend. On a root a round trip
-away the ``stat`` calls go out together (:func:`count_complete_chunks`),
+away the ``stat`` calls go out together
+(:func:`~vllm.worker.vineyard.storage.far_calls.calls_at_once_when_far`),
 so that a lookup costs a few round trips, not one per chunk. Where a
 lookup stops at a damaged chunk file it removes it, so that the next save
 writes it again.
@@ -17,27 +18,21 @@ Imports neither vLLM nor torch (the backend processes run it).
 
 from __future__ import annotations
 
+import itertools
 import os
-import queue
 import stat
 import string
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.far_calls import calls_at_once_when_far
 from vllm.worker.vineyard.storage.removal import remove_file
 from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
 
 #: Bytes read per ``pread`` of a timed read.
 _READ_PIECE = 1 << 20
-#: A ``stat`` slower than this went to a server (a local one takes
-#: microseconds): the lookup's next ``stat`` calls go out at once.
-FAR_STAT_S = 0.0002
-#: At most this many ``stat`` calls of a lookup in flight at once; past the
-#: first missing chunk at most this many less one are made in vain.
-STATS_AT_ONCE = 16
 
 
 def count_cached_chunks(
@@ -72,81 +67,23 @@ def count_complete_chunks(
     avoid: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[int, int]:
     """``(leading chunks of ids on disk whole, stat calls made)``, up to
-    ``max_chunks``. One ``stat`` at a time up to the first missing chunk,
-    until one takes a round trip (:data:`FAR_STAT_S`: a server's, past its
-    client's attribute cache); from then on they go out
-    :data:`STATS_AT_ONCE` at a time, so a hit of ``n`` chunks on a far root
-    costs about ``1 + n / 16`` round trips instead of ``n + 1``."""
+    ``max_chunks``: up to the first missing chunk, one ``stat`` at a time
+    on a local disk; on a root a round trip away at once
+    (:func:`calls_at_once_when_far`: a hit of ``n`` chunks costs about
+    ``1 + n / 16`` round trips instead of ``n + 1``)."""
     bpc = files.blocks_per_chunk
+    calls = itertools.count()
 
     def complete(chunk: int) -> bool:
+        next(calls)  # atomic: the calls may run on several threads
         return files.is_complete(ids[: (chunk + 1) * bpc], avoid)
 
-    found = stats = 0
-    far = False
-    while found < max_chunks:
-        if far:
-            wave = range(found, min(found + STATS_AT_ONCE, max_chunks))
-            answers = _stat_threads().map(complete, wave)
-        else:
-            start = time.perf_counter()
-            answers = [complete(found)]
-            far = time.perf_counter() - start > FAR_STAT_S
-        stats += len(answers)
-        whole = next((i for i, ok in enumerate(answers) if not ok), len(answers))
-        found += whole
-        if whole < len(answers):
+    found = 0
+    for whole in calls_at_once_when_far(complete, range(max_chunks)):
+        if not whole:
             break
-    return found, stats
-
-
-class _StatThreads:
-    """Daemon threads that make a lookup's ``stat`` calls at once (one
-    stuck on a hung root keeps no process from exiting)."""
-
-    def __init__(self, count: int):
-        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        for _ in range(count):
-            threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            self._tasks.get()()  # never raises: see map
-
-    def map(self, fn: Callable[[int], bool], items: Sequence[int]) -> list[bool]:
-        """``[fn(item) for item in items]``, the calls made at once; an
-        exception counts as ``False``."""
-        answers = [False] * len(items)
-        left = threading.Semaphore(0)
-
-        def task(i: int, item: int) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    answers[i] = fn(item)
-                except Exception:
-                    pass  # not known to be whole: missing
-                finally:
-                    left.release()
-
-            return run
-
-        for i, item in enumerate(items):
-            self._tasks.put(task(i, item))
-        for _ in items:
-            left.acquire()
-        return answers
-
-
-_threads: _StatThreads | None = None
-_threads_lock = threading.Lock()
-
-
-def _stat_threads() -> _StatThreads:
-    global _threads
-    with _threads_lock:
-        if _threads is None:
-            _threads = _StatThreads(STATS_AT_ONCE)
-        return _threads
+        found += 1
+    return found, next(calls)
 
 
 def _remove_if_damaged(

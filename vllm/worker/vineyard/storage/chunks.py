@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mmh3
 import numpy as np
 
+from vllm.worker.vineyard.storage.far_calls import calls_at_once_when_far
 from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
 from vllm.worker.vineyard.storage.sealing import MAGIC_PREFIX, TRAILER_BYTES
 
@@ -195,12 +196,18 @@ class ChunkFiles:
         return st.st_size == self.file_bytes(len(ids))
 
     def touch(self, ids: Sequence[int], first_chunk: int, num_chunks: int) -> None:
-        """Mark chunks as used now (their mtime is their last use)."""
+        """Mark chunks as used now (their mtime is their last use); on a
+        far root at once (:func:`calls_at_once_when_far`)."""
         bpc = self.blocks_per_chunk
-        for c in range(first_chunk, first_chunk + num_chunks):
+
+        def touch_one(chunk: int) -> None:
             # A chunk evicted meanwhile has nothing to keep.
             with contextlib.suppress(OSError):
-                os.utime(self.path(ids[: (c + 1) * bpc]))
+                os.utime(self.path(ids[: (chunk + 1) * bpc]))
+
+        chunks = range(first_chunk, first_chunk + num_chunks)
+        for _ in calls_at_once_when_far(touch_one, chunks):
+            pass
 
     def remove(self, ids: Sequence[int]) -> bool:
         """Delete the chunk ending at ``ids`` (so a later write can replace
