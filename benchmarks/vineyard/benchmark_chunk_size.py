@@ -7,11 +7,13 @@ processes, the 8B-class KV layout), per chunk size: the write, the read and a
 lookup of one prompt (its ``stat`` calls at once where the first took a
 round trip, as the cache makes them, and one at a time beside it), on the
 local disk and on a FUSE root where every
-``stat``, ``open``, first ``read`` and ``fsync`` waits 20 ms
-(``slow_fs.py``: a remote filesystem's round trip). Usage::
+``stat``, ``open``, first ``read`` and ``fsync`` waits 20 ms (or each
+``--latency-ms``; ``slow_fs.py``: a remote filesystem's round trip). The
+write's time is how long a saved prompt takes to be visible to another
+host: until its last chunk file is renamed into place. Usage::
 
     python benchmarks/vineyard/benchmark_chunk_size.py 16,64,256 \
-        [--tokens 512] [--tiny] [--json chunks.json]
+        [--tokens 512] [--latency-ms 1 5 20] [--tiny] [--json chunks.json]
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from slow_fs import SlowFs, fuse_unavailable  # noqa: E402
 
 from vllm.worker.vineyard.storage import far_calls  # noqa: E402
 
-#: The slow root: a remote filesystem's round trip on every ``stat`` and
-#: ``open`` and on each file's first ``read`` and ``fsync``.
+#: The slow root's default: a remote filesystem's round trip on every
+#: ``stat`` and ``open`` and on each file's first ``read`` and ``fsync``.
 LATENCY_MS = 20.0
 
 
@@ -86,11 +88,11 @@ def lookups_one_stat_at_a_time(
 
 
 def measure_chunk_sweep(
-    size: Size, chunk_sizes: list[int], workdir: str
+    size: Size, chunk_sizes: list[int], workdir: str, latencies_ms: list[float]
 ) -> dict[str, Any]:
-    """Every chunk size on the local disk, then on the slow FUSE root (or
-    why it could not be mounted)."""
-    out: dict[str, Any] = {"latency_ms": LATENCY_MS, "disk": [], "slow fs": []}
+    """Every chunk size on the local disk, then on the slow FUSE root at
+    each latency (or why it could not be mounted)."""
+    out: dict[str, Any] = {"latency_ms": latencies_ms, "disk": [], "slow fs": []}
     for chunk in chunk_sizes:
         sized = replace(size, chunk_size=chunk)
         out["disk"].append(
@@ -100,17 +102,20 @@ def measure_chunk_sweep(
     if why is not None:
         out["slow fs"] = why
         return out
-    for chunk in chunk_sizes:
-        try:
-            fs = SlowFs(Path(workdir) / f"fuse-{chunk}", LATENCY_MS, LATENCY_MS)
-        except RuntimeError as e:  # e.g. a container without FUSE permission
-            out["slow fs"] = str(e)
-            return out
-        try:
-            sized = replace(size, chunk_size=chunk)
-            out["slow fs"].append(measure_chunk_size(sized, str(fs.mount), 3))
-        finally:
-            fs.close()
+    for latency_ms in latencies_ms:
+        for chunk in chunk_sizes:
+            work = Path(workdir) / f"fuse-{latency_ms:g}ms-{chunk}"
+            try:
+                fs = SlowFs(work, latency_ms, latency_ms)
+            except RuntimeError as e:  # e.g. a container without FUSE permission
+                out["slow fs"] = str(e)
+                return out
+            try:
+                sized = replace(size, chunk_size=chunk)
+                row = measure_chunk_size(sized, str(fs.mount), 3)
+                out["slow fs"].append({"latency_ms": latency_ms, **row})
+            finally:
+                fs.close()
     return out
 
 
@@ -118,8 +123,7 @@ def print_chunk_sweep(size: Size, sweep: dict[str, Any]) -> None:
     print(
         f"\nChunk sizes: one prompt of {size.num_tokens} tokens, block "
         f"{size.block_size}, {size.num_layers} layers; median of {size.iters}; "
-        f"slow fs: {sweep['latency_ms']:g} ms on every stat and open, first "
-        "read and fsync"
+        "slow fs: L ms on every stat and open, first read and fsync"
     )
     print("root | chunk tokens | files | write GB/s | read GB/s | write ms | "
           "read ms | lookup ms | one stat at a time | exact")  # fmt: skip
@@ -129,7 +133,8 @@ def print_chunk_sweep(size: Size, sweep: dict[str, Any]) -> None:
             print(f"{root} | skipped: {rows}")
             continue
         for r in rows:
-            print(f"{root} | {r['chunk_tokens']} | {r['files_per_prompt']} | "
+            where = f"{root} {r['latency_ms']:g} ms" if "latency_ms" in r else root
+            print(f"{where} | {r['chunk_tokens']} | {r['files_per_prompt']} | "
                   f"{r['write_gbps']:.3f} | {r['read_gbps']:.3f} | "
                   f"{r['write_ms']:.0f} | {r['read_ms']:.0f} | "
                   f"{r['lookup_ms']:.1f} | {r['lookup_one_at_a_time_ms']:.1f} | "
@@ -141,13 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "chunk_sizes", metavar="TOKENS,...", help="chunk sizes (multiples of the block)"
     )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        nargs="+",
+        default=[LATENCY_MS],
+        metavar="L",
+        help="the slow root's round trips (ms), a set of rows each",
+    )
     add_size_arguments(parser)
     args = parser.parse_args(argv)
     size = size_of(args)
     pin_like_a_forward_pass()
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        sweep = measure_chunk_sweep(size, chunk_sizes, workdir)
+        sweep = measure_chunk_sweep(size, chunk_sizes, workdir, args.latency_ms)
     print_chunk_sweep(size, sweep)
     if args.json:
         with open(args.json, "w") as f:
