@@ -7,6 +7,7 @@ an error raised where its result would be, the threads serving on."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -82,3 +83,26 @@ def test_an_error_is_raised_in_order_and_the_threads_go_on() -> None:
     again = Calls()
     assert list(calls_at_once_when_far(again, range(40))) == list(range(0, 400, 10))
     assert again.most > 1
+
+
+def test_a_forked_child_makes_its_own_threads() -> None:
+    list(calls_at_once_when_far(Calls(), range(20)))  # the parent's threads
+    pid = os.fork()
+    if pid == 0:  # the child: its calls at once must not wait forever
+        code = 0
+        try:
+            calls = Calls()
+            results = list(calls_at_once_when_far(calls, range(20)))
+            code = 0 if results == list(range(0, 200, 10)) and calls.most > 1 else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("a forked child's calls at once never returned")

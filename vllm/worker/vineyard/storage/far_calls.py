@@ -10,6 +10,7 @@ Imports neither vLLM nor torch (the backend processes run it).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -100,3 +101,12 @@ def _threads() -> _Threads:
         if _threads_made is None:
             _threads_made = _Threads(CALLS_AT_ONCE)
         return _threads_made
+
+
+def _forget_threads() -> None:
+    global _threads_made, _threads_lock
+    # A forked child has none of its parent's threads: it makes its own.
+    _threads_made, _threads_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
