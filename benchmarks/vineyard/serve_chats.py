@@ -17,8 +17,9 @@ Configurations, side by side in every run (a fresh root each run):
   every ``stat`` and ``open`` and to every ``fsync`` and first ``read`` of a
   file, plus ``vineyard, root 0 ms away``: the same mount adding nothing
   (the FUSE daemon's own cost). One mount per configuration and run, its
-  daemon moved off the instances' cores where a core is free (the header
-  says where it ran);
+  daemon moved off the instances' cores where a core is free, else given a
+  kernel client's priority (nice -10, where this process may; the header
+  says where and how it ran);
 - with ``--glusterfs``: ``vineyard, GlusterFS``, each instance on its own
   client mount of one GlusterFS replica-2 volume (two bricks on this host;
   ``tests/worker/vineyard_glusterfs_testing.py``) as its root, with a POD_NAME
@@ -386,6 +387,7 @@ def run_chats(
         result["glusterfs"] = {
             "round_trip_ms": glusterfs.round_trip_ms,
             "cores": glusterfs.cores,
+            "nice": glusterfs.nice,
         }
     elif glusterfs is not None:
         result["glusterfs"] = {"skipped": glusterfs}

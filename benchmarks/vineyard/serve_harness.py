@@ -135,6 +135,31 @@ def setup(
     return model, base_env, cache_env
 
 
+#: The nice value of a filesystem's daemons that must share the instances'
+#: cores: a kernel client's work runs in the callers' system calls and in
+#: kernel threads, ahead of user processes; a daemon at the instances' own
+#: priority waits behind their busy loops, a delay no kernel client adds.
+DAEMON_NICE = -10
+
+
+def favour(pids: list[int]) -> int | None:
+    """Give every thread of these processes :data:`DAEMON_NICE` (threads
+    they start later inherit it): the nice value set, or ``None`` where
+    this process may not raise a priority (not root)."""
+    done = False
+    for pid in pids:
+        with contextlib.suppress(OSError):  # threads come and go
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), DAEMON_NICE)
+                    done = True
+                except PermissionError:
+                    return None
+                except OSError:
+                    pass
+    return DAEMON_NICE if done else None
+
+
 def pin_off(pids: list[int], busy: set[int]) -> list[int] | None:
     """Move every thread of these processes to the cores this process may
     use that are not in ``busy`` (e.g. a FUSE daemon off the cores the

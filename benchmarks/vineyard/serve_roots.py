@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_harness import pin_off
+from serve_harness import favour, pin_off
 from slow_fs import SlowFs
 
 #: Round trips timed per kind of call in the GlusterFS probe.
@@ -36,6 +36,8 @@ class SharedVolume:
     round_trip_ms: dict[str, float]
     #: The cores its servers and clients were moved to (None: left as is).
     cores: list[int] | None = None
+    #: Their nice value where they stayed on the instances' cores (None: as is).
+    nice: int | None = None
 
 
 def probe_round_trips(
@@ -76,7 +78,8 @@ def probe_round_trips(
 def glusterfs_roots(base: Path, busy: set[int]) -> Iterator[SharedVolume | str]:
     """A fresh GlusterFS replica-2 volume on two local bricks, mounted twice
     under ``base`` (two clients, as two hosts), its servers and clients
-    moved off the ``busy`` cores where a core is free; or why it cannot be
+    moved off the ``busy`` cores where a core is free (else given a kernel
+    client's priority: :func:`~serve_harness.favour`); or why it cannot be
     set up here."""
     # The tests' helper, which reports what is missing as a pytest skip.
     import pytest
@@ -94,8 +97,9 @@ def glusterfs_roots(base: Path, busy: set[int]) -> Iterator[SharedVolume | str]:
                 )  # fmt: skip
                 pids += [int(pid) for pid in found.stdout.split()]
             cores = pin_off(pids, busy)
+            nice = None if cores else favour(pids)
             shared: SharedVolume | str = SharedVolume(
-                volume.mounts, probe_round_trips(volume.mounts), cores
+                volume.mounts, probe_round_trips(volume.mounts), cores, nice
             )
         except (pytest.skip.Exception, Exception) as e:  # noqa: BLE001
             why = str(e).strip() or type(e).__name__
@@ -117,11 +121,14 @@ def far_root(
     cache_env: Callable[[Path], dict[str, str]],
 ) -> Iterator[Config]:  # fmt: skip
     """The cache root on a FUSE mount of its own, ``latency_ms`` away, its
-    daemon off the ``busy`` cores where a core is free."""
+    daemon off the ``busy`` cores where a core is free (else given a kernel
+    client's priority: :func:`~serve_harness.favour`)."""
     fs = SlowFs(folder, latency_ms=latency_ms, io_latency_ms=latency_ms)
     try:
-        pin_off([fs.proc.pid], busy)
-        facts = {"latency_ms": latency_ms, "stat_ms": fs.stat_latency_ms()}
+        cores = pin_off([fs.proc.pid], busy)
+        facts: dict[str, Any] = {"latency_ms": latency_ms}
+        facts["daemon_nice"] = None if cores else favour([fs.proc.pid])
+        facts["stat_ms"] = fs.stat_latency_ms()
         yield [cache_env(fs.mount / "root")] * instances, [], facts
     finally:
         fs.close()
@@ -159,9 +166,20 @@ def describe_roots(result: dict[str, Any]) -> list[str]:
             where = ", ".join(map(str, cores))
             lines.append(f"FUSE daemon on cores {where}, off the instances' ({busy})")
         else:
+            nices = {
+                r.get("daemon_nice") for run in result["runs"] for r in run.values()
+            }
+            nices.discard(None)
+            priority = (
+                f", at nice {min(nices)} (a kernel client's work runs ahead of user "
+                "processes)"
+                if nices
+                else ", at their priority"
+            )
             lines.append(
                 f"FUSE daemon NOT moved off the instances' cores ({busy}): no other "
                 f"core on this {os.cpu_count()}-core machine, it competes with them"
+                + priority
             )
         stats: dict[float, list[float]] = {}
         for run in result["runs"]:
@@ -183,6 +201,7 @@ def describe_roots(result: dict[str, Any]) -> list[str]:
             f"moved to cores {', '.join(map(str, g['cores']))}"
             if g.get("cores")
             else "on the instances' cores (none free)"
+            + (f", at nice {g['nice']}" if g.get("nice") is not None else "")
         )
         lines.append(
             "GlusterFS: a replica-2 volume, two bricks on this host, each "

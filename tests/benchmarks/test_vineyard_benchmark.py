@@ -284,3 +284,32 @@ def test_slow_fs_adds_latency_where_a_remote_filesystem_has_it(
         assert next_ms < io_latency_ms, next_ms
     elif not latency_ms:  # (with it, the kernel's getattr before a read waits)
         assert max(first_ms, next_ms, fsync_ms) < fast_ms
+
+
+def test_a_daemon_on_the_instances_cores_gets_a_kernel_clients_priority() -> None:
+    """Where no core is free for a filesystem's daemon, the chats benchmark
+    gives every thread of it ``DAEMON_NICE`` (a kernel client's work runs
+    ahead of user processes), or says that it could not (not root)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
+    import serve_harness
+
+    two_threads = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"  # noqa: E501
+    daemon = subprocess.Popen([sys.executable, "-c", two_threads])
+    try:
+        tasks = Path(f"/proc/{daemon.pid}/task")
+        deadline = time.monotonic() + 30
+        while len(list(tasks.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        set_to = serve_harness.favour([daemon.pid])
+        nices = {
+            os.getpriority(os.PRIO_PROCESS, int(tid.name)) for tid in tasks.iterdir()
+        }
+    finally:
+        daemon.kill()
+        daemon.wait()
+    if os.geteuid() == 0:
+        assert set_to == serve_harness.DAEMON_NICE < 0
+        assert nices == {serve_harness.DAEMON_NICE}
+    else:
+        assert set_to is None
+        assert nices == {os.getpriority(os.PRIO_PROCESS, 0)}
