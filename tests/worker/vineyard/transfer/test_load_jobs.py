@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """When a load stops as slow (:meth:`LoadJob.runs_slow`): a read waits as
-long as computing its blocks would (the first: at least a tenth of
-computing the whole hit), or, where the link's recent price is known, until
-it has waited several times that price (a stall), but never less than that
-tenth."""
+long as computing its blocks would, or, where the link's recent price is
+known, until it has waited several times that price (a stall), but either
+way at least a quarter of computing the blocks the load has left; the
+blocks read so far stop it once they took longer than computing them, and
+at least a tenth of computing the hit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from vllm.worker.vineyard.transfer.load_jobs import (
     FIRST_BLOCKS_WAIT,
     STALL_FACTOR,
+    WAIT_SHARE,
     LoadJob,
     SegmentRead,
     segments_of,
@@ -24,6 +26,13 @@ BS = 16  # tokens per block
 BLOCKS = 100  # the hit
 COMPUTE_S = 1e-3  # per token: 16 ms a block, 1.6 s the hit
 FLOOR_S = FIRST_BLOCKS_WAIT * BLOCKS * BS * COMPUTE_S  # 0.16 s
+
+
+def patience_s(loaded: int) -> float:
+    """The least a waiting read waits (0.4 s for the whole hit)."""
+    return WAIT_SHARE * (BLOCKS - loaded) * BS * COMPUTE_S
+
+
 SEGMENT = 20  # blocks per read after the first chunk
 
 
@@ -51,21 +60,24 @@ def waiting(load: LoadJob, segment: int, waited_s: float) -> SegmentRead:
 @pytest.mark.parametrize(
     ("loaded", "segment", "link_s", "waited_s", "slow"),
     [
-        # The first read (one chunk): a tenth of computing the hit.
-        (0, 0, None, 0.9 * FLOOR_S, False),
-        (0, 0, None, 1.1 * FLOOR_S, True),
-        (0, 0, 1e-4, 0.9 * FLOOR_S, False),  # a stall waits that long too
-        # A later read of 20 blocks: as long as computing them (0.32 s).
-        (1, 1, None, 0.3, False),
-        (1, 1, None, 0.34, True),
+        # The first read (one chunk): a quarter of computing the hit.
+        (0, 0, None, 0.95 * patience_s(0), False),
+        (0, 0, None, 1.05 * patience_s(0), True),
+        (0, 0, 1e-4, 0.95 * patience_s(0), False),  # a stall waits that long too
+        # A read of 20 blocks: as long as computing them (0.32 s), or a
+        # quarter of computing the 99 blocks left (0.396 s), the longer.
+        (1, 1, None, 0.95 * patience_s(1), False),
+        (1, 1, None, 1.05 * patience_s(1), True),
+        (61, 4, None, 0.3, False),  # 39 left: 0.156 s
+        (61, 4, None, 0.34, True),
         # ... or, stalled, STALL_FACTOR times the link's price (80 ms), but
-        # at least the tenth.
-        (1, 1, 1e-3, 0.9 * FLOOR_S, False),
-        (1, 1, 1e-3, STALL_FACTOR * 1e-3 * SEGMENT * 1.5, False),
-        (1, 1, 1e-3, 1.1 * FLOOR_S, True),
+        # at least that quarter.
+        (61, 4, 1e-3, STALL_FACTOR * 1e-3 * SEGMENT * 1.5, False),
+        (61, 4, 1e-3, 0.95 * patience_s(61), False),
+        (61, 4, 1e-3, 1.05 * patience_s(61), True),
         # A link priced slower than computing: computing's wait decides.
-        (1, 1, 20e-3, 0.3, False),
-        (1, 1, 20e-3, 0.34, True),
+        (61, 4, 20e-3, 0.3, False),
+        (61, 4, 20e-3, 0.34, True),
     ],
 )
 def test_a_waiting_read(

@@ -19,12 +19,16 @@ logger = init_logger(__name__)
 
 #: A load's pace is judged once its reads took this share of computing all
 #: of its blocks (one chunk's read is mostly a file's latency, which a busy
-#: filesystem varies by tens of milliseconds), and a read waits at least as
-#: long before it counts as stalled.
+#: filesystem varies by tens of milliseconds).
 FIRST_BLOCKS_WAIT = 0.1
 #: A read waiting this many times what the link's recent loads took for as
 #: many blocks has stalled (if that is shorter than computing its blocks).
 STALL_FACTOR = 4.0
+#: A read not answered yet stops its load only once it waited this share of
+#: computing every block the load has left: on a busy machine a reader
+#: waits for a core, and a filesystem has slow moments, for a tenth of a
+#: second or more, while computing the rest costs that many blocks.
+WAIT_SHARE = 0.25
 
 
 @dataclass
@@ -103,10 +107,10 @@ class LoadJob:
         """Whether it runs slower than computing the rest: the blocks read
         so far took longer per block than computing a block, or
         ``waiting`` (its next answer's read, sent at monotonic time) has
-        waited longer than computing its blocks would (its first: at least
-        :data:`FIRST_BLOCKS_WAIT` of computing them all), or stalled:
-        waited :data:`STALL_FACTOR` times what the link's recent loads took
-        for as many, and that share of computing them all."""
+        waited longer than computing its blocks would, or stalled: waited
+        :data:`STALL_FACTOR` times what the link's recent loads took for as
+        many; a waiting read, either way, at least :data:`WAIT_SHARE` of
+        computing the blocks left."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
@@ -120,12 +124,13 @@ class LoadJob:
         s = self.segments[waiting.segment][0]
         e = self.segments[min(waiting.segment + waiting.count, n) - 1][1]
         waited = now - waiting.sent_at
-        if waited > c * bs * (e - s if done else max(e - s, least)):
+        if waited <= WAIT_SHARE * c * bs * (self.last - self.loaded):
+            return False
+        if waited > c * bs * (e - s):
             return True
         if self.load_s_per_block is None:
             return False
-        stalled = STALL_FACTOR * self.load_s_per_block * (e - s)
-        return waited > max(stalled, c * bs * least)
+        return waited > STALL_FACTOR * self.load_s_per_block * (e - s)
 
     def take_answer(
         self, read: SegmentRead, verified: int, read_s: float, verify_s: float
