@@ -471,6 +471,25 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
     assert counters["updates_failed"] == 0
 
 
+def test_readers_run_on_every_core_and_the_writer_off_the_callers(
+    make_cache: CacheFactory,
+) -> None:
+    """A request waits for its load: the reader may run on every core from
+    its start (the kernel finds it an idle one, or its own engine's, where
+    its group of processes has its share). The writer's background work
+    keeps off the caller's core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: the caller's and another")
+    os.sched_setaffinity(0, {cores[0]})  # as vLLM's CPU worker binds itself
+    try:
+        h = make_cache()
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    assert os.sched_getaffinity(h.pid("read")) == set(cores)
+    assert cores[0] not in os.sched_getaffinity(h.pid("write"))
+
+
 def _resident_kib(pid: int, size: int) -> list[int]:
     """The resident KiB of each of ``pid``'s mappings of a staging memfd
     of ``size`` bytes."""

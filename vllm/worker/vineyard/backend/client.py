@@ -71,15 +71,21 @@ class BackendProcess:
         restart_window_s: float = 600.0,
         exit_wait_s: float = 2.0,
         disk_progress: bool = False,
+        every_core: bool = False,
     ):
         """Starts the process; with ``wait=False`` returns at once and
-        :meth:`wait_ready` waits (so several backends start in parallel)."""
+        :meth:`wait_ready` waits (so several backends start in parallel).
+        ``every_core``: a request waits for its answers (a reader, a
+        lookup process), so it may run on every core
+        (:func:`~vllm.worker.vineyard.cores.run_on_every_core`); else off
+        the worker's cores."""
         self.name = name
         self._spec, self._shm_fd = spec, shm_fd
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
         self._nice = nice
+        self._every_core = every_core
         # With ``disk_progress``, I/O the root's block device completes
         # counts as the backend's progress: a write waiting seconds in
         # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
@@ -169,6 +175,7 @@ class BackendProcess:
             self._spec.to_json(),
             "--nice",
             str(self._nice),
+            *(["--every-core"] if self._every_core else []),
         ]
         try:
             proc = subprocess.Popen(

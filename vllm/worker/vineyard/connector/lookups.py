@@ -149,8 +149,10 @@ class VineyardCacheLookup:
             lookup_namespace_dirs=tuple(f.namespace_dir for f in self._files),
             flat_paths=files.flat,
         )
+        # On every core: a request's scheduling waits for its lookup.
+        timeout_s = self.config.backend_timeout_s
         process = BackendProcess(
-            "lookup", spec, None, self.config.backend_timeout_s, exit_wait_s=0.1
+            "lookup", spec, None, timeout_s, exit_wait_s=0.1, every_core=True
         )
         with self._started_lock:
             if self._closed:
