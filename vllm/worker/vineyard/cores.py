@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Where the cache's processes run: its background work off the forward
-pass's cores; the work a request waits for on every core.
+"""Where the cache's background work runs: off the forward pass's cores.
 
 Imports neither vLLM nor torch (the backend processes use it)."""
 
@@ -28,20 +27,6 @@ def default_readers(accelerator: bool) -> int:
     every = os.cpu_count() or 1
     free = every if accelerator else len(_cores_not_bound_to_the_worker())
     return 2 if free >= 2 else 1
-
-
-def run_on_every_core() -> None:
-    """Run the calling thread (and what it starts) on every core: for work a
-    request waits for (a load's reads, a lookup). The kernel puts it on an
-    idle core where there is one; where every core is busy with engines,
-    beside its own engine: Linux divides a core among groups of processes
-    (sessions, cgroups) by each group's load on it, so alone on another
-    engine's core it can wait seconds for the CPU, and beside its own it
-    has its group's share."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
 def move_off_the_workers_cores() -> None:

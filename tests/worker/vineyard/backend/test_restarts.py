@@ -471,23 +471,37 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
     assert counters["updates_failed"] == 0
 
 
-def test_readers_run_on_every_core_and_the_writer_off_the_callers(
+def test_a_reader_that_waits_for_a_cpu_may_run_on_every_core(
     make_cache: CacheFactory,
 ) -> None:
-    """A request waits for its load: the reader may run on every core from
-    its start (the kernel finds it an idle one, or its own engine's, where
-    its group of processes has its share). The writer's background work
-    keeps off the caller's core."""
+    """A request waits for its load: a reader that waited for a CPU during
+    one read, however short (busy processes at the highest priority take
+    its cores, as another instance's engine can), runs on every core from
+    then on. Until then it keeps off the caller's core, as the writer."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        pytest.skip("needs two cores: the caller's and another")
-    os.sched_setaffinity(0, {cores[0]})  # as vLLM's CPU worker binds itself
+        pytest.skip("needs two cores: one to starve, one for the test")
+    caller_core, busy = cores[0], {cores[-1]}
+    os.sched_setaffinity(0, {caller_core})  # as vLLM's CPU worker binds itself
     try:
         h = make_cache()
     finally:
         os.sched_setaffinity(0, set(cores))
-    assert os.sched_getaffinity(h.pid("read")) == set(cores)
-    assert cores[0] not in os.sched_getaffinity(h.pid("write"))
+    tokens, _ = saved_sequence(h)
+    dst = h.blocks_for(DST_BLOCK, SEQ_LEN)
+    pid = h.pid("read")
+    assert h.load(tokens, 0, CACHED, dst) == CACHED
+    assert caller_core not in os.sched_getaffinity(pid)  # not starved yet
+    hogs = CpuHogs(pid, busy)
+    try:
+        threading.Timer(0.5, hogs.stop).start()
+        assert h.load(tokens, 0, CACHED, dst) == CACHED
+        every_core = os.sched_getaffinity(pid)
+    finally:
+        hogs.stop()
+    assert every_core == set(cores), every_core
+    assert caller_core not in os.sched_getaffinity(h.pid("write"))
+    assert h.counters()["load_errors"] == 0
 
 
 def _resident_kib(pid: int, size: int) -> list[int]:

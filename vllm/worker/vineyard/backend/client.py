@@ -71,27 +71,25 @@ class BackendProcess:
         restart_window_s: float = 600.0,
         exit_wait_s: float = 2.0,
         disk_progress: bool = False,
-        every_core: bool = False,
+        waited_for: bool = False,
     ):
         """Starts the process; with ``wait=False`` returns at once and
         :meth:`wait_ready` waits (so several backends start in parallel).
-        ``every_core``: a request waits for its answers (a reader, a
-        lookup process), so it may run on every core
-        (:func:`~vllm.worker.vineyard.cores.run_on_every_core`); else off
-        the worker's cores."""
+        ``waited_for``: requests wait for its answers (a reader, a lookup
+        process): it may run on every core once it waited
+        :data:`~.progress.WAITED_FOR_STARVED_S` for a CPU during one."""
         self.name = name
         self._spec, self._shm_fd = spec, shm_fd
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._max_restarts = max_restarts
         self._nice = nice
-        self._every_core = every_core
         # With ``disk_progress``, I/O the root's block device completes
         # counts as the backend's progress: a write waiting seconds in
         # ``fsync`` on a busy disk is slow, not hung. Found once, here (a
         # lookup process's handle must never touch the root).
         disk_stat = disk_stat_path(spec.cache_root) if disk_progress else None
-        self._progress = ProgressWatch(name, disk_stat)
+        self._progress = ProgressWatch(name, disk_stat, waited_for)
         # Callers that must never wait (the forward thread) get an error at
         # once while the process is restarted on a thread of its own, and a
         # process given up on is killed without waiting: a thread of its own
@@ -175,7 +173,6 @@ class BackendProcess:
             self._spec.to_json(),
             "--nice",
             str(self._nice),
-            *(["--every-core"] if self._every_core else []),
         ]
         try:
             proc = subprocess.Popen(
@@ -386,6 +383,7 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = None
+            self._progress.answered(self._pid())
         if status != "ok":
             raise BackendError(f"{self.name} backend error: {payload}")
         if not isinstance(payload, reply_type):

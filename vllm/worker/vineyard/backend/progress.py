@@ -13,8 +13,9 @@ for hung.
   starved by busy engines is slow, not hung. One that keeps making progress
   is still taken for hung after :data:`MAX_BUSY_TIMEOUTS` timeouts of its
   own time (a loop that never finishes).
-- A backend starved for :data:`STARVED_S` may run on every core from then
-  on.
+- A backend that waited for a CPU during one request for
+  :data:`STARVED_S` (:data:`WAITED_FOR_STARVED_S` where requests wait for
+  it) may run on every core from then on.
 
 Imports neither vLLM nor torch.
 """
@@ -37,6 +38,27 @@ MAX_BUSY_TIMEOUTS = 10
 #: every core from then on, beside its own engine's forward pass (it starts
 #: on the cores the worker does not use).
 STARVED_S = 1.0
+#: The same for a backend that requests wait for (a reader, a lookup
+#: process): each such wait is a request's.
+WAITED_FOR_STARVED_S = 0.05
+
+
+def run_queue_wait_s(pid: int | None) -> float | None:
+    """The time all of ``pid``'s threads spent runnable without a CPU (the
+    scheduler's ``run_delay``), or ``None`` where ``/proc`` does not tell."""
+    if pid is None:
+        return None
+    waited_ns = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f,
+            ):
+                waited_ns += int(f.read().split()[1])
+    except OSError:
+        return None
+    return waited_ns / 1e9
 
 
 def disk_stat_path(path: str) -> str | None:
@@ -142,9 +164,13 @@ class ProgressWatch:
     time), for the handle to tell slow from hung. Not thread-safe: the
     handle calls it under its lock."""
 
-    def __init__(self, name: str, disk_stat: str | None) -> None:
+    def __init__(
+        self, name: str, disk_stat: str | None, waited_for: bool = False
+    ) -> None:
         #: The backend's name, in what is logged.
         self.name = name
+        self._waited_for = waited_for  # see WAITED_FOR_STARVED_S
+        self._run_queue_wait_s: float | None = None  # when the request went
         #: The I/O counters of the block device of the root (see
         #: :func:`disk_stat_path`), whose progress counts as the backend's.
         self._disk_stat = disk_stat
@@ -159,12 +185,23 @@ class ProgressWatch:
         """A request was sent to process ``pid``: its progress from now."""
         now = time.monotonic()
         seen = _sample(pid, self._disk_stat)
+        self._run_queue_wait_s = run_queue_wait_s(pid)
         self._watch = _Watch(
             seen.progress if seen else None,
             now,
             now,
             seen.ran_s if seen else None,
         )
+
+    def answered(self, pid: int | None) -> None:
+        """The request was answered: a process that waited for a CPU for
+        :meth:`_starved_s` meanwhile (the kernel's count, however short the
+        request) may run on every core from now on."""
+        before, now = self._run_queue_wait_s, run_queue_wait_s(pid)
+        if before is None or now is None or pid is None or self._everywhere:
+            return
+        if now - before >= self._starved_s():
+            self._run_everywhere(pid, now - before)
 
     def stall(self, pid: int | None, quiet_s: float) -> str | None:
         """Why the request in flight is taken for hung, or ``None``: its
@@ -183,7 +220,8 @@ class ProgressWatch:
         watch.busy_s += had_s
         watch.starved_s += elapsed_s - had_s
         watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
-        if watch.starved_s >= STARVED_S and pid is not None and not self._everywhere:
+        starved = watch.starved_s >= self._starved_s()
+        if starved and pid is not None and not self._everywhere:
             self._run_everywhere(pid, watch.starved_s)
         if now - watch.quiet_since >= quiet_s:
             return f"no progress for {quiet_s:g} s"
@@ -193,6 +231,9 @@ class ProgressWatch:
                 "waits for a CPU)"
             )
         return None
+
+    def _starved_s(self) -> float:
+        return WAITED_FOR_STARVED_S if self._waited_for else STARVED_S
 
     def _run_everywhere(self, pid: int, starved_s: float) -> None:
         """Let a starved backend run on every core. The cores the worker

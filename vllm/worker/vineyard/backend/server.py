@@ -43,7 +43,7 @@ from vllm.worker.vineyard.backend.protocol import (
     ResetRequest,
 )
 from vllm.worker.vineyard.backend.vineyard_server import VineyardServer
-from vllm.worker.vineyard.cores import move_off_the_workers_cores, run_on_every_core
+from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.cached_chunks import (
     count_cached_chunks,
@@ -106,7 +106,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shm-fd", type=int, required=True)
     parser.add_argument("--spec", type=str, required=True)
     parser.add_argument("--nice", type=int, default=0)
-    parser.add_argument("--every-core", action="store_true")
     args = parser.parse_args(argv)
 
     logging.basicConfig(
@@ -117,12 +116,9 @@ def main(argv: list[str]) -> int:
     # The engine decides when we stop (by closing the socket); Ctrl-C in the
     # terminal must not kill us first and lose in-flight writes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Background work off the worker's cores (where the others are busy too
-    # the engine-side handle lets a starved backend run on every core).
-    if args.every_core:
-        run_on_every_core()
-    else:
-        move_off_the_workers_cores()
+    # Where the others are busy too the engine-side handle lets a starved
+    # backend run on every core (``BackendProcess``).
+    move_off_the_workers_cores()
     if args.nice:
         os.nice(args.nice)
 

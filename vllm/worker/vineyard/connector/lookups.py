@@ -149,10 +149,10 @@ class VineyardCacheLookup:
             lookup_namespace_dirs=tuple(f.namespace_dir for f in self._files),
             flat_paths=files.flat,
         )
-        # On every core: a request's scheduling waits for its lookup.
+        # What a request's scheduling waits for.
         timeout_s = self.config.backend_timeout_s
         process = BackendProcess(
-            "lookup", spec, None, timeout_s, exit_wait_s=0.1, every_core=True
+            "lookup", spec, None, timeout_s, exit_wait_s=0.1, waited_for=True
         )
         with self._started_lock:
             if self._closed:

@@ -144,7 +144,7 @@ def start_backends(
                 # for a reader to restart (e.g. on a root that hangs).
                 restart_in_background=True,
                 disk_progress=True,
-                every_core=True,  # a request waits for its load
+                waited_for=True,  # a request waits for its load
             )
             started.append(reader)
             readers.append(reader)
