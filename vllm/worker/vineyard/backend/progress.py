@@ -89,6 +89,7 @@ class _Sample:
     #: while the main thread sleeps (it may wait for the GIL that a starved
     #: thread holds).
     runnable: bool
+    waited_s: float  # all its threads' time runnable without a CPU
 
 
 def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
@@ -107,11 +108,12 @@ def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
         # A stopped thread or one in uninterruptible I/O (see the disk) is
         # not waiting for a CPU, whatever its other threads do.
         runnable = state == b"R"
-        ran_ns = 0
+        ran_ns = waited_ns = 0
         for tid in tids:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    ran_ns += int(f.read().split()[0])
+                    ran, waited = f.read().split()[:2]
+                ran_ns, waited_ns = ran_ns + int(ran), waited_ns + int(waited)
                 if state == b"S" and not runnable and tid != str(pid):
                     with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
                         thread_state = f.read().rsplit(b")", 1)[1].split()[0]
@@ -141,7 +143,7 @@ def _sample(pid: int | None, disk_stat: str | None = None) -> _Sample | None:
         )
     except (OSError, ValueError, KeyError, IndexError):
         return None
-    return _Sample(progress, ran_ns / 1e9, runnable)
+    return _Sample(progress, ran_ns / 1e9, runnable, waited_ns / 1e9)
 
 
 @dataclass
@@ -185,7 +187,7 @@ class ProgressWatch:
         """A request was sent to process ``pid``: its progress from now."""
         now = time.monotonic()
         seen = _sample(pid, self._disk_stat)
-        self._run_queue_wait_s = run_queue_wait_s(pid)
+        self._run_queue_wait_s = seen.waited_s if seen else None
         self._watch = _Watch(
             seen.progress if seen else None,
             now,
