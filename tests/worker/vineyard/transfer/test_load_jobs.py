@@ -5,7 +5,8 @@ long as computing its blocks would, or, where the link's recent price is
 known, until it has waited several times that price (a stall), but either
 way at least a quarter of computing the blocks the load has left; the
 blocks read so far stop it once they took longer than computing them, and
-at least a tenth of computing the hit."""
+at least a tenth of computing the hit; a read's wait does not count its
+reader's wait for a CPU."""
 
 from __future__ import annotations
 
@@ -51,9 +52,25 @@ def job(loaded: int, load_s_per_block: float | None) -> LoadJob:
     )
 
 
-def waiting(load: LoadJob, segment: int, waited_s: float) -> SegmentRead:
+class Reader:
+    """A reader's handle as a load sees it: how long its process waited for
+    a CPU during the read (asked only of a read that waited too long)."""
+
+    def __init__(self, cpu_wait_s: float) -> None:
+        self._cpu_wait_s = cpu_wait_s
+        self.asked = 0
+
+    def cpu_wait_s(self) -> float:
+        self.asked += 1
+        return self._cpu_wait_s
+
+
+def waiting(
+    load: LoadJob, segment: int, waited_s: float, reader: Reader | None = None
+) -> SegmentRead:
+    reader = Reader(0.0) if reader is None else reader
     return SegmentRead(
-        load, segment, 0, cast(Any, None), cast(Any, None), 100.0 - waited_s
+        load, segment, 0, cast(Any, reader), cast(Any, None), 100.0 - waited_s
     )
 
 
@@ -85,6 +102,28 @@ def test_a_waiting_read(
 ) -> None:
     load = job(loaded, link_s)
     assert load.runs_slow(waiting(load, segment, waited_s), 100.0, BS) is slow
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "cpu_wait_s", "slow"),
+    [
+        (2.0, 1.9, False),  # 0.1 s with a CPU: within its patience
+        (2.0, 1.5, True),  # 0.5 s with a CPU: too long
+        (2.0, 5.0, False),  # its threads' waits add up: at most all of it
+    ],
+)
+def test_a_readers_wait_for_a_cpu_is_not_the_links(
+    waited_s: float, cpu_wait_s: float, slow: bool
+) -> None:
+    """A read waits by the time its reader had a CPU (two engines' busy
+    cores starve a reader for seconds while its read takes milliseconds);
+    the kernel is asked only once the read waited too long."""
+    load, reader = job(0, None), Reader(cpu_wait_s)
+    assert load.runs_slow(waiting(load, 0, waited_s, reader), 100.0, BS) is slow
+    assert reader.asked == 1
+    quick = Reader(cpu_wait_s)
+    assert not load.runs_slow(waiting(load, 0, 0.01, quick), 100.0, BS)
+    assert quick.asked == 0
 
 
 def test_the_pace_of_the_blocks_read() -> None:

@@ -326,6 +326,12 @@ class BackendProcess:
             quiet_s = self._timeout_s if quiet_s is None else quiet_s
             return self._progress.stall(self._pid(), quiet_s)
 
+    def cpu_wait_s(self) -> float:
+        """How long the process has waited for a CPU since the request in
+        flight was sent (see :meth:`ProgressWatch.cpu_wait_s`)."""
+        with self._lock:
+            return self._progress.cpu_wait_s(self._pid())
+
     def _running_locked(self) -> bool:
         return (
             self._conn is not None
@@ -383,7 +389,7 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = None
-            self._progress.answered(self._pid())
+            self._progress.cpu_wait_s(self._pid())
         if status != "ok":
             raise BackendError(f"{self.name} backend error: {payload}")
         if not isinstance(payload, reply_type):

@@ -195,15 +195,19 @@ class ProgressWatch:
             seen.ran_s if seen else None,
         )
 
-    def answered(self, pid: int | None) -> None:
-        """The request was answered: a process that waited for a CPU for
-        :meth:`_starved_s` meanwhile (the kernel's count, however short the
-        request) may run on every core from now on."""
+    def cpu_wait_s(self, pid: int | None) -> float:
+        """How long process ``pid`` has waited for a CPU since the request
+        was sent: the kernel's count of the waits that ended (however short
+        the request; its threads' waits add up), or what :meth:`stall`
+        found starved (the kernel counts a wait once it ends). One that
+        waited :meth:`_starved_s` may run on every core from now on."""
         before, now = self._run_queue_wait_s, run_queue_wait_s(pid)
-        if before is None or now is None or pid is None or self._everywhere:
-            return
-        if now - before >= self._starved_s():
-            self._run_everywhere(pid, now - before)
+        waited_s = self._watch.starved_s
+        if before is not None and now is not None:
+            waited_s = max(waited_s, now - before)
+        if waited_s >= self._starved_s() and pid is not None and not self._everywhere:
+            self._run_everywhere(pid, waited_s)
+        return waited_s
 
     def stall(self, pid: int | None, quiet_s: float) -> str | None:
         """Why the request in flight is taken for hung, or ``None``: its

@@ -110,7 +110,9 @@ class LoadJob:
         waited longer than computing its blocks would, or stalled: waited
         :data:`STALL_FACTOR` times what the link's recent loads took for as
         many; a waiting read, either way, at least :data:`WAIT_SHARE` of
-        computing the blocks left."""
+        computing the blocks left, not counting its reader's wait for a CPU
+        (the kernel's count, asked only then; the reader moves to every
+        core)."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
@@ -120,13 +122,22 @@ class LoadJob:
             return True
         if waiting is None:
             return False
+        waited = now - waiting.sent_at
+        if not self._waits_too_long(waiting, waited, c * bs):
+            return False
+        cpu_wait_s = min(waiting.reader.cpu_wait_s(), waited)
+        return self._waits_too_long(waiting, waited - cpu_wait_s, c * bs)
+
+    def _waits_too_long(
+        self, waiting: SegmentRead, waited: float, block_s: float
+    ) -> bool:
+        """See :meth:`runs_slow` (``block_s``: computing a block)."""
         n = len(self.segments)
         s = self.segments[waiting.segment][0]
         e = self.segments[min(waiting.segment + waiting.count, n) - 1][1]
-        waited = now - waiting.sent_at
-        if waited <= WAIT_SHARE * c * bs * (self.last - self.loaded):
+        if waited <= WAIT_SHARE * block_s * (self.last - self.loaded):
             return False
-        if waited > c * bs * (e - s):
+        if waited > block_s * (e - s):
             return True
         if self.load_s_per_block is None:
             return False

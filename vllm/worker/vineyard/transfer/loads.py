@@ -249,9 +249,10 @@ class LoadPipeline:
     def _stop_slow_loads(self) -> None:
         """Stop the loads that run slower than computing the rest
         (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy
-        engine's long steps and time queued for a reader do not count): a
-        slow link costs a request at most about a tenth of computing its hit
-        more than computing it, a read that stalls a quarter."""
+        engine's long steps, time queued for a reader or a CPU do not
+        count): a slow link costs a request at most about a tenth of
+        computing its hit more than computing it, a read that stalls a
+        quarter."""
         now, bs = time.monotonic(), self._layout.block_size
         unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
         for read in self._in_flight:
