@@ -477,8 +477,7 @@ def test_a_reader_that_waits_for_a_cpu_may_run_on_every_core(
     """A request waits for its load: a reader that waited for a CPU during
     one read, however short (busy processes at the highest priority take
     its cores, as another instance's engine can), runs on every core from
-    then on, and that wait does not make its load look slower than
-    computing. Until then it keeps off the caller's core, as the writer."""
+    then on. Until then it keeps off the caller's core, as the writer."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores: one to starve, one for the test")
@@ -495,27 +494,14 @@ def test_a_reader_that_waits_for_a_cpu_may_run_on_every_core(
     assert caller_core not in os.sched_getaffinity(pid)  # not starved yet
     hogs = CpuHogs(pid, busy)
     try:
-        threading.Timer(0.7, hogs.stop).start()
-        time.sleep(0.2)  # the hogs' interpreters start, then take the core
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            # Else a woken reader gets a slice at once, as often as not.
-            os.setpriority(os.PRIO_PROCESS, int(tid), 19)
-        # Computing the hit would take 0.4 s: a waiting read is stopped
-        # after a tenth of a second with a CPU, and these reads take less.
-        # Polled once a step, as the forward thread does (a busy step).
-        loads = h.cache.loads
-        loads.start("r", h.digests(tokens), 0, CACHED, dst, 0.4 / CACHED)
-        while loads.loading("r"):
-            time.sleep(0.15)
-            loads.poll()
-        assert loads.take_finished() == [("r", CACHED, CACHED)]
+        threading.Timer(0.5, hogs.stop).start()
+        assert h.load(tokens, 0, CACHED, dst) == CACHED
         every_core = os.sched_getaffinity(pid)
     finally:
         hogs.stop()
     assert every_core == set(cores), every_core
     assert caller_core not in os.sched_getaffinity(h.pid("write"))
     assert h.counters()["load_errors"] == 0
-    assert h.counters()["loads_stopped_slow"] == 0
 
 
 def _resident_kib(pid: int, size: int) -> list[int]:
