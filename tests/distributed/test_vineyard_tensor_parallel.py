@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ from tests.vineyard_engine_testing import (
     cacheable_prefix,
     engine_env,
     flip_a_payload_byte,
+    open_gate,
     run_engine,
+    wait_at_gate,
 )
 from tests.vineyard_testing import random_tokens
 from tests.vineyard_toy_model import make_toy_llama
@@ -64,6 +67,7 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     # Round 0 computes and saves (the harness waits until every write is
     # reported); round 1 asks again and loads. Every process logs its
     # torch.distributed collectives (see collective_log/sitecustomize.py).
+    # Rounds 2 and 3 wait at a gate for bit rot (below).
     log = tmp_path / "collectives.log"
     logging_env = {
         **TP_BINDING,
@@ -72,14 +76,28 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
         ),
         "VINEYARD_TEST_COLLECTIVE_LOG": str(log),
     }
-    run = run_engine(
-        model,
-        rounds * 2,
-        engine_env(tmp_path / "cache", extra=logging_env),
-        tmp_path / "cache-on",
-        llm_kwargs=TP_KWARGS,
-    )
-    first, second = run.rounds
+    gate = tmp_path / "bit-rot"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            run_engine,
+            model,
+            rounds * 2 + [{**longer_rounds[0], "gate": str(gate)}] + longer_rounds,
+            engine_env(tmp_path / "cache", extra=logging_env),
+            tmp_path / "cache-on",
+            llm_kwargs=TP_KWARGS,
+        )
+        wait_at_gate(gate, running=lambda: not running.done())
+        # Rank 0's copy of block 5 rots on disk. The engine then asks for a
+        # longer prompt: rank 0's load comes up short there, rank 1's does
+        # not; vLLM recomputes from block 5 on both ranks, the outputs stay
+        # those of no cache, and the scheduler has both ranks save from
+        # there again, so the next ask loads the whole longer prefix.
+        rank0 = next((tmp_path / "cache").glob("*-tp2r0-*"))
+        ids = synthetic_ids(extend_digests([], prompt, BLOCK_SIZE))
+        flip_a_payload_byte(ChunkFiles(str(rank0), 1, 0).path(ids[:6]))
+        open_gate(gate)
+        run = running.result()
+    first, second, bitten, healed = run.rounds
     assert first.num_cached_tokens == [0]
     assert first.outputs == plain.rounds[0].outputs
     assert first.settled and first.counter("updates_submitted") > 0
@@ -96,6 +114,13 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     assert second.num_cached_tokens == [cached]
     assert run.delta(1, "loaded_tokens") == 2 * cached
 
+    assert bitten.outputs == healed.outputs == plain.rounds[1].outputs
+    assert run.delta(2, "load_errors") >= 1
+    assert run.delta(2, "corrupt_chunks") == 1
+    # Healed: every rank saved again from the bad chunk.
+    assert healed.num_cached_tokens == [cacheable_prefix(len(longer))]
+    assert run.delta(3, "load_errors") == 0
+
     # The cache runs no collective in any step (the ranks report to the
     # scheduler instead); vLLM's own set-up collectives were logged, so
     # the logging worked in the workers' processes.
@@ -104,26 +129,3 @@ def test_tp2_engine_saves_shards_and_loads_them(tmp_path: Path) -> None:
     assert len(started) >= 3  # the engine and two workers
     assert sum(what == "other" for _, what, *_ in lines) > 0
     assert [line for line in lines if line[1] == "cache"] == []
-
-    # Rank 0's copy of block 5 rots on disk. A later engine asks for a
-    # longer prompt: rank 0's load comes up short there, rank 1's does not;
-    # vLLM recomputes from block 5 on both ranks, the outputs stay those of
-    # no cache, and the scheduler has both ranks save from there again, so
-    # the same engine's next ask loads the whole longer prefix.
-    rank0 = next((tmp_path / "cache").glob("*-tp2r0-*"))
-    ids = synthetic_ids(extend_digests([], prompt, BLOCK_SIZE))
-    flip_a_payload_byte(ChunkFiles(str(rank0), 1, 0).path(ids[:6]))
-    later = run_engine(
-        model,
-        longer_rounds * 2,
-        engine_env(tmp_path / "cache", extra=TP_BINDING),
-        tmp_path / "later",
-        llm_kwargs=TP_KWARGS,
-    )
-    bitten, healed = later.rounds
-    assert bitten.outputs == healed.outputs == plain.rounds[1].outputs
-    assert bitten.counter("load_errors") >= 1
-    assert bitten.counter("corrupt_chunks") == 1
-    # Healed: every rank saved again from the bad chunk.
-    assert healed.num_cached_tokens == [cacheable_prefix(len(longer))]
-    assert later.delta(1, "load_errors") == 0
