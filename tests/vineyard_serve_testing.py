@@ -79,8 +79,6 @@ class Server:
         extra_env: Mapping[str, str] | None = None,
     ):
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"{name}.log"
         env = clean_env()
         env.update(
@@ -101,22 +99,38 @@ class Server:
         cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
         if not prefix_caching:
             cmd += ["--no-enable-prefix-caching"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self._cmd, self._env = [*cmd, "--host", "127.0.0.1", *extra_args], env
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.hang_report = ""  # where its processes were when it did not exit
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         # A session of its own: stop() can end the engine processes too.
         self.proc = subprocess.Popen(
-            cmd,
-            env=env,
+            [*self._cmd, "--port", str(self.port)],
+            env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
     def wait_ready(self, deadline: float) -> None:
+        starts = 1
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 log = self.log_path.read_text()[-6000:]
+                if "Address already in use" in log and starts < 3:
+                    # A port vLLM found free was taken before it bound it
+                    # (another test's server starting beside this one).
+                    self._log.write(f"--- restarted ({starts}): a port was taken\n")
+                    self._log.flush()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)  # its engine
+                    starts += 1
+                    self._start()
+                    continue
                 raise AssertionError(f"{self.name} exited during startup:\n{log}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5):
