@@ -211,14 +211,11 @@ class ProgressWatch:
 
     def answered(self, pid: int | None) -> None:
         """The request was answered: a process that waited
-        :meth:`_starved_s` for a CPU meanwhile (the kernel's count, short as
-        the request may have been, or what the steps' looks found starved)
-        may run on every core from now on."""
+        :meth:`_starved_s` for a CPU meanwhile (the kernel's count; short
+        as the request may have been) may run on every core from now on."""
         before, now = self._run_queue_wait_s, run_queue_wait_s(pid)
-        waited_s = self._watch.starved_s
         if before is not None and now is not None:
-            waited_s = max(waited_s, now - before)
-        self._move_if_starved(pid, waited_s)
+            self._move_if_starved(pid, now - before)
 
     def _move_if_starved(self, pid: int | None, waited_s: float) -> None:
         if waited_s >= self._starved_s() and pid is not None and not self._everywhere:
