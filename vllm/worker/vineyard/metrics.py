@@ -93,14 +93,8 @@ HISTOGRAMS: dict[str, str] = {
     "save_caller_s": "Forward thread's time per save (copy and submit).",
     "load_s": "Time from a load's start on a worker to its end (all its reads, "
     "checks and copies).",
-    "load_read_s": (
-        "The reader backend's time reading one load's chunks (not counting "
-        "its waits for a CPU)."
-    ),
-    "load_verify_s": (
-        "The reader backend's time verifying one load's entries (not "
-        "counting its waits for a CPU)."
-    ),
+    "load_read_s": "The reader backend's time reading one load's chunks.",
+    "load_verify_s": "The reader backend's time verifying one load's entries.",
     "load_copy_s": "Forward thread's time copying one load's blocks into place.",
     # Where a hit's time goes, per request with a hit, as the scheduler sees
     # it; consecutive, so they add up to its time from arrival to its first

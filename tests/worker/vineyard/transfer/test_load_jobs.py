@@ -14,15 +14,12 @@ from typing import Any, cast
 
 import pytest
 
-from vllm.worker.vineyard.backend.protocol import BackendStats, QueryReply
 from vllm.worker.vineyard.transfer.load_jobs import (
     FIRST_BLOCKS_WAIT,
-    OWN_TIME_FROM_S,
     STALL_FACTOR,
     WAIT_SHARE,
     LoadJob,
     SegmentRead,
-    own_times,
     segments_of,
 )
 
@@ -127,26 +124,6 @@ def test_a_readers_wait_for_a_cpu_is_not_the_links(
     quick = Reader(cpu_wait_s)
     assert not load.runs_slow(waiting(load, 0, 0.01, quick), 100.0, BS)
     assert quick.asked == 0
-
-
-@pytest.mark.parametrize(
-    ("read_s", "verify_s", "cpu_wait_s", "own"),
-    [
-        (0.3, 0.1, 0.2, (0.15, 0.05)),  # half of it waiting for a CPU
-        (0.3, 0.1, 0.9, (0.0, 0.0)),  # threads' waits add up: capped
-        (0.3, 0.1, 0.0, (0.3, 0.1)),
-        (0.001, 0.0005, 0.9, (0.001, 0.0005)),  # quick: not asked
-    ],
-)
-def test_an_answer_is_timed_without_its_readers_cpu_waits(
-    read_s: float, verify_s: float, cpu_wait_s: float, own: tuple[float, float]
-) -> None:
-    """Blocks are paced and the link priced by the time the reader had a
-    CPU (its read's threads may wait for one behind a busy engine)."""
-    reader = Reader(cpu_wait_s)
-    reply = QueryReply(1, BackendStats({}), read_s, verify_s)
-    assert own_times(cast(Any, reader), reply) == pytest.approx(own)
-    assert reader.asked == (read_s + verify_s >= OWN_TIME_FROM_S)
 
 
 def test_the_pace_of_the_blocks_read() -> None:

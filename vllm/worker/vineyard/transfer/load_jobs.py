@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 
 from vllm.worker.vineyard.backend.client import BackendProcess
-from vllm.worker.vineyard.backend.protocol import QueryReply
 from vllm.worker.vineyard.backend.runs import BackendRun
 from vllm.worker.vineyard.log_limiter import LogLimiter
 
@@ -30,9 +29,6 @@ STALL_FACTOR = 4.0
 #: waits for a core, and a filesystem has slow moments, for a tenth of a
 #: second or more, while computing the rest costs that many blocks.
 WAIT_SHARE = 0.25
-#: An answer that took this long is timed without its reader's waits for a
-#: CPU (asking ``/proc`` costs the forward thread about 0.1 ms).
-OWN_TIME_FROM_S = 0.002
 
 
 @dataclass
@@ -228,15 +224,3 @@ class HeldBuffers:
                     now - since,
                 )
         return freed
-
-
-def own_times(reader: BackendProcess, reply: QueryReply) -> tuple[float, float]:
-    """The answer's read and verify times without its reader's waits for a
-    CPU meanwhile (another instance's busy engine): loads are paced and the
-    link priced by the link. A quick answer is taken as it is (the waits
-    are asked of ``/proc``)."""
-    spent_s = reply.read_s + reply.verify_s
-    if spent_s < OWN_TIME_FROM_S:
-        return reply.read_s, reply.verify_s
-    own = 1.0 - min(reader.cpu_wait_s(), spent_s) / spent_s
-    return reply.read_s * own, reply.verify_s * own

@@ -31,7 +31,6 @@ from vllm.worker.vineyard.transfer.load_jobs import (
     HeldBuffers,
     LoadJob,
     SegmentRead,
-    own_times,
     segments_of,
 )
 from vllm.worker.vineyard.transfer.read_ahead import ReadAheadJobs, free_run
@@ -248,10 +247,12 @@ class LoadPipeline:
         return times
 
     def _stop_slow_loads(self) -> None:
-        """Stop the loads slower than computing the rest (by the readers'
-        own time: see :meth:`LoadJob.runs_slow`, :func:`own_times`): a slow
-        link costs a request at most about a tenth of computing its hit
-        more than computing it, a read that stalls a quarter."""
+        """Stop the loads that run slower than computing the rest
+        (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy
+        engine's long steps, time queued for a reader or a CPU do not
+        count): a slow link costs a request at most about a tenth of
+        computing its hit more than computing it, a read that stalls a
+        quarter."""
         now, bs = time.monotonic(), self._layout.block_size
         unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
         for read in self._in_flight:
@@ -301,12 +302,11 @@ class LoadPipeline:
                 self._release(read)
                 (self._drop if job.ahead else self._finish)(job)
                 continue
-            read_s, verify_s = own_times(reader, reply)
             self._free_buffers.extend(
-                job.take_answer(read, reply.verified, read_s, verify_s)
+                job.take_answer(read, reply.verified, reply.read_s, reply.verify_s)
             )
             if job.ahead:
-                self._ahead.timed(reply.verified, read_s + verify_s)
+                self._ahead.timed(reply.verified, reply.read_s + reply.verify_s)
             else:
                 # The readers' next reads overlap the copy.
                 self._send_reads()
