@@ -402,6 +402,15 @@ class CpuHogs:
             for _ in range(count)
         ]
 
+    def wait_busy(self, cpu_s: float = 0.05, timeout_s: float = 30.0) -> None:
+        """Until every busy loop has run ``cpu_s`` (an interpreter takes a
+        while to start on a loaded machine)."""
+        hogs = [psutil.Process(hog.pid) for hog in self._hogs]
+        assert wait_until(
+            lambda: all(sum(hog.cpu_times()[:2]) >= cpu_s for hog in hogs),
+            timeout_s,
+        )
+
     def stop(self) -> None:
         for hog in self._hogs:
             hog.kill()
@@ -469,6 +478,29 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
     counters = h.counters()
     assert counters["backend_restarts"] == 0
     assert counters["updates_failed"] == 0
+
+
+def test_a_wait_for_a_cpu_counts_while_it_lasts() -> None:
+    """The kernel counts a wait for a CPU once it ends; a process still
+    waiting is seen runnable without gaining CPU time, which counts up to
+    the moment it is asked about (a load asks before it stops as slow)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one to starve, one for the test")
+    busy = {cores[-1]}
+    waiter = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    hogs = CpuHogs(waiter.pid, busy)
+    try:
+        hogs.wait_busy()
+        os.setpriority(os.PRIO_PROCESS, waiter.pid, 19)
+        watch = progress.ProgressWatch("test", None)
+        watch.start(waiter.pid)
+        time.sleep(0.5)
+        assert watch.cpu_wait_s(waiter.pid) >= 0.3
+    finally:
+        hogs.stop()
+        waiter.kill()
+        waiter.wait()
 
 
 def test_a_reader_that_waits_for_a_cpu_may_run_on_every_core(

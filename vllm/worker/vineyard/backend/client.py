@@ -389,7 +389,7 @@ class BackendProcess:
             except (EOFError, OSError) as e:
                 raise self._fail_locked(e) from e
             self._in_flight = None
-            self._progress.cpu_wait_s(self._pid())
+            self._progress.answered(self._pid())
         if status != "ok":
             raise BackendError(f"{self.name} backend error: {payload}")
         if not isinstance(payload, reply_type):

@@ -196,18 +196,30 @@ class ProgressWatch:
         )
 
     def cpu_wait_s(self, pid: int | None) -> float:
-        """How long process ``pid`` has waited for a CPU since the request
-        was sent: the kernel's count of the waits that ended (however short
-        the request; its threads' waits add up), or what :meth:`stall`
-        found starved (the kernel counts a wait once it ends). One that
-        waited :meth:`_starved_s` may run on every core from now on."""
+        """How long process ``pid``, still at the request, has waited for a
+        CPU since it was sent: the kernel's count of the waits that ended
+        (its threads' waits add up), or the time it was found runnable
+        without gaining CPU time, up to now (the kernel counts a wait once
+        it ends). One that waited :meth:`_starved_s` may run on every core
+        from now on."""
+        seen = self._account(pid)
+        before, waited_s = self._run_queue_wait_s, self._watch.starved_s
+        if before is not None and seen is not None:
+            waited_s = max(waited_s, seen.waited_s - before)
+        self._move_if_starved(pid, waited_s)
+        return waited_s
+
+    def answered(self, pid: int | None) -> None:
+        """The request was answered: a process that waited
+        :meth:`_starved_s` for a CPU meanwhile (the kernel's count; short
+        as the request may have been) may run on every core from now on."""
         before, now = self._run_queue_wait_s, run_queue_wait_s(pid)
-        waited_s = self._watch.starved_s
         if before is not None and now is not None:
-            waited_s = max(waited_s, now - before)
+            self._move_if_starved(pid, now - before)
+
+    def _move_if_starved(self, pid: int | None, waited_s: float) -> None:
         if waited_s >= self._starved_s() and pid is not None and not self._everywhere:
             self._run_everywhere(pid, waited_s)
-        return waited_s
 
     def stall(self, pid: int | None, quiet_s: float) -> str | None:
         """Why the request in flight is taken for hung, or ``None``: its
@@ -215,6 +227,21 @@ class ProgressWatch:
         for :data:`MAX_BUSY_TIMEOUTS` times that, not counting its waits
         for a CPU. A process starved of CPU or waiting for a busy disk is
         slow, not hung: it goes on."""
+        watch = self._watch
+        self._account(pid)
+        self._move_if_starved(pid, watch.starved_s)
+        if watch.checked_at - watch.quiet_since >= quiet_s:
+            return f"no progress for {quiet_s:g} s"
+        if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
+            return (
+                f"still busy after {watch.busy_s:.0f} s (not counting its "
+                "waits for a CPU)"
+            )
+        return None
+
+    def _account(self, pid: int | None) -> _Sample | None:
+        """Sample ``pid`` and book the time since the last sample as had
+        (its CPU time, while runnable) or starved (the rest of it)."""
         watch, now = self._watch, time.monotonic()
         seen = _sample(pid, self._disk_stat)
         if seen is not None and seen.progress != watch.mark:
@@ -226,17 +253,7 @@ class ProgressWatch:
         watch.busy_s += had_s
         watch.starved_s += elapsed_s - had_s
         watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
-        starved = watch.starved_s >= self._starved_s()
-        if starved and pid is not None and not self._everywhere:
-            self._run_everywhere(pid, watch.starved_s)
-        if now - watch.quiet_since >= quiet_s:
-            return f"no progress for {quiet_s:g} s"
-        if watch.busy_s >= MAX_BUSY_TIMEOUTS * quiet_s:
-            return (
-                f"still busy after {watch.busy_s:.0f} s (not counting its "
-                "waits for a CPU)"
-            )
-        return None
+        return seen
 
     def _starved_s(self) -> float:
         return WAITED_FOR_STARVED_S if self._waited_for else STARVED_S
