@@ -503,6 +503,31 @@ def test_a_wait_for_a_cpu_counts_while_it_lasts() -> None:
         waiter.wait()
 
 
+def test_a_wait_for_a_cpu_is_sampled_at_most_every_few_milliseconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load waiting on a read asks every poll (an idle engine polls
+    every few milliseconds): ``/proc`` is read again only once the last
+    sample is :data:`progress.RESAMPLE_S` old."""
+    samples = []
+    real_sample = progress._sample
+
+    def counted(*args: object, **kwargs: object) -> object:
+        samples.append(time.monotonic())
+        return real_sample(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(progress, "_sample", counted)
+    watch = progress.ProgressWatch("test", None)
+    watch.start(os.getpid())
+    time.sleep(progress.RESAMPLE_S)
+    for _ in range(50):
+        watch.cpu_wait_s(os.getpid())
+    assert len(samples) <= 3  # the start's, then one per RESAMPLE_S at most
+    time.sleep(progress.RESAMPLE_S)
+    watch.cpu_wait_s(os.getpid())
+    assert len(samples) >= 3
+
+
 def test_a_reader_that_waits_for_a_cpu_may_run_on_every_core(
     make_cache: CacheFactory,
 ) -> None:

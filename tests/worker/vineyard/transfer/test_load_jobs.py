@@ -5,8 +5,10 @@ long as computing its blocks would, or, where the link's recent price is
 known, until it has waited several times that price (a stall), but either
 way at least a quarter of computing the blocks the load has left; the
 blocks read so far stop it once they took longer than computing them, and
-at least a tenth of computing the hit; a read's wait does not count its
-reader's wait for a CPU."""
+at least a tenth of computing the hit (and, where the link's price is
+known, with a few blocks more at that price); the last read is waited for
+as long as computing its blocks, stalled or not; a read's wait does not
+count its reader's wait for a CPU."""
 
 from __future__ import annotations
 
@@ -137,6 +139,45 @@ def test_the_pace_of_the_blocks_read() -> None:
     early = job(1, None)  # one chunk read: its pace waits for the tenth
     early.read_s = 0.9 * FLOOR_S
     assert not early.runs_slow(None, 100.0, BS)
+
+
+@pytest.mark.parametrize(
+    ("blocks_read", "slow"),
+    [
+        (1, False),  # one slow answer: the link's price says it is fast
+        (2, True),  # a link that slowed shows within a few blocks
+    ],
+)
+def test_the_pace_counts_the_links_price(blocks_read: int, slow: bool) -> None:
+    """Blocks read at twice computing's time, on a link priced at a tenth
+    of it (a hit of 10 blocks: judged from its first block on)."""
+    block_s = BS * COMPUTE_S
+    load = job(BLOCKS - 10 + blocks_read, 0.1 * block_s)
+    load.start = BLOCKS - 10
+    load.read_s = 2 * block_s * blocks_read
+    assert load.runs_slow(None, 100.0, BS) is slow
+    # Without a price, the reads are judged by themselves: slow at once.
+    load.load_s_per_block = None
+    assert load.runs_slow(None, 100.0, BS)
+
+
+@pytest.mark.parametrize("reads_follow", [True, False])
+def test_a_stalled_last_read_waits_as_long_as_computing_its_blocks(
+    reads_follow: bool,
+) -> None:
+    """A read of 20 blocks that waited 20 times the link's price: stopped
+    if more reads follow it (a filesystem that hangs holds them too), not if
+    it is the last (stopping would compute its blocks: it is waited for up
+    to that long, 0.32 s)."""
+    link_s = 1e-3
+    load = job(61, link_s)
+    if not reads_follow:
+        load.last = 81  # segment 4 (blocks 61-81) is the last
+    waited_s = 0.9 * SEGMENT * BS * COMPUTE_S
+    assert waited_s > STALL_FACTOR * link_s * SEGMENT
+    assert waited_s > WAIT_SHARE * (load.last - load.loaded) * BS * COMPUTE_S
+    assert load.runs_slow(waiting(load, 4, waited_s), 100.0, BS) is reads_follow
+    assert load.runs_slow(waiting(load, 4, 1.1 * SEGMENT * BS * COMPUTE_S), 100.0, BS)
 
 
 def test_without_a_compute_price_never_slow() -> None:

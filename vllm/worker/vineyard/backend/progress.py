@@ -41,6 +41,10 @@ STARVED_S = 1.0
 #: The same for a backend that requests wait for (a reader, a lookup
 #: process): each such wait is a request's.
 WAITED_FOR_STARVED_S = 0.05
+#: A sample this recent stands for :meth:`ProgressWatch.cpu_wait_s` (a load
+#: waiting on a read asks every poll: every few milliseconds on an engine
+#: with nothing else to run).
+RESAMPLE_S = 0.01
 
 
 def run_queue_wait_s(pid: int | None) -> float | None:
@@ -159,6 +163,8 @@ class _Watch:
     #: seconds, and a starved backend is slow, not hung.
     busy_s: float = 0.0
     starved_s: float = 0.0  # the rest: runnable, without a CPU
+    #: Its threads' waits for a CPU that ended, by the kernel's count.
+    counted_wait_s: float = 0.0
 
 
 class ProgressWatch:
@@ -199,13 +205,13 @@ class ProgressWatch:
         """How long process ``pid``, still at the request, has waited for a
         CPU since it was sent: the kernel's count of the waits that ended
         (its threads' waits add up), or the time it was found runnable
-        without gaining CPU time, up to now (the kernel counts a wait once
-        it ends). One that waited :meth:`_starved_s` may run on every core
-        from now on."""
-        seen = self._account(pid)
-        before, waited_s = self._run_queue_wait_s, self._watch.starved_s
-        if before is not None and seen is not None:
-            waited_s = max(waited_s, seen.waited_s - before)
+        without gaining CPU time, up to now (within :data:`RESAMPLE_S`; the
+        kernel counts a wait once it ends). One that waited
+        :meth:`_starved_s` may run on every core from now on."""
+        watch = self._watch
+        if time.monotonic() - watch.checked_at >= RESAMPLE_S:
+            self._account(pid)
+        waited_s = max(watch.starved_s, watch.counted_wait_s)
         self._move_if_starved(pid, waited_s)
         return waited_s
 
@@ -239,7 +245,7 @@ class ProgressWatch:
             )
         return None
 
-    def _account(self, pid: int | None) -> _Sample | None:
+    def _account(self, pid: int | None) -> None:
         """Sample ``pid`` and book the time since the last sample as had
         (its CPU time, while runnable) or starved (the rest of it)."""
         watch, now = self._watch, time.monotonic()
@@ -253,7 +259,8 @@ class ProgressWatch:
         watch.busy_s += had_s
         watch.starved_s += elapsed_s - had_s
         watch.checked_at, watch.ran_s = now, (seen.ran_s if seen else None)
-        return seen
+        if seen is not None and self._run_queue_wait_s is not None:
+            watch.counted_wait_s = seen.waited_s - self._run_queue_wait_s
 
     def _starved_s(self) -> float:
         return WAITED_FOR_STARVED_S if self._waited_for else STARVED_S

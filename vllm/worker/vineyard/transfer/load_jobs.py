@@ -29,6 +29,11 @@ STALL_FACTOR = 4.0
 #: waits for a core, and a filesystem has slow moments, for a tenth of a
 #: second or more, while computing the rest costs that many blocks.
 WAIT_SHARE = 0.25
+#: A load's pace counts the link's recent price as this many blocks read
+#: too: one slow answer (a reader's or a filesystem's busy moment) must not
+#: stop a load that the link's history says is fast; a link that slowed
+#: shows within a few blocks.
+PRICED_BLOCKS = 2
 
 
 @dataclass
@@ -105,20 +110,25 @@ class LoadJob:
 
     def runs_slow(self, waiting: SegmentRead | None, now: float, bs: int) -> bool:
         """Whether it runs slower than computing the rest: the blocks read
-        so far took longer per block than computing a block, or
+        so far (with :data:`PRICED_BLOCKS` more at the link's recent price,
+        where known) took longer per block than computing a block, or
         ``waiting`` (its next answer's read, sent at monotonic time) has
-        waited longer than computing its blocks would, or stalled: waited
-        :data:`STALL_FACTOR` times what the link's recent loads took for as
-        many; a waiting read, either way, at least :data:`WAIT_SHARE` of
-        computing the blocks left, not counting its reader's wait for a CPU
-        (the kernel's count, asked only then; the reader moves to every
+        waited longer than computing its blocks would, or stalled with more
+        reads to follow: waited :data:`STALL_FACTOR` times what the link's
+        recent loads took for as many; a waiting read, either way, at least
+        :data:`WAIT_SHARE` of computing the blocks left, not counting its
+        reader's wait for a CPU (asked only then; the reader moves to every
         core)."""
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
             return False
         least = FIRST_BLOCKS_WAIT * (self.last - self.start)
-        if done > 0 and self.read_s + self.verify_s > c * bs * max(done, least):
+        read_s, blocks = self.read_s + self.verify_s, max(done, least)
+        if self.load_s_per_block is not None:
+            read_s += PRICED_BLOCKS * self.load_s_per_block
+            blocks += PRICED_BLOCKS
+        if done > 0 and read_s > c * bs * blocks:
             return True
         if waiting is None:
             return False
@@ -139,7 +149,10 @@ class LoadJob:
             return False
         if waited > block_s * (e - s):
             return True
-        if self.load_s_per_block is None:
+        if self.load_s_per_block is None or e >= self.last:
+            # The last read is waited for as long as computing its blocks
+            # (what stopping costs): a stall that would hold later reads
+            # too is what stops a load sooner.
             return False
         return waited > STALL_FACTOR * self.load_s_per_block * (e - s)
 
