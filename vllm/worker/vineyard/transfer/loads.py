@@ -252,7 +252,7 @@ class LoadPipeline:
         engine's long steps, time queued for a reader or a CPU do not
         count): a slow link costs a request at most about a tenth of
         computing its hit more than computing it, a read that stalls a
-        quarter."""
+        quarter (a last read: its blocks' computing)."""
         now, bs = time.monotonic(), self._layout.block_size
         unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
         for read in self._in_flight:
