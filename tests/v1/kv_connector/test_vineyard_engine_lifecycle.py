@@ -7,9 +7,9 @@
   does, counts the failed writes, its sweeper evicts (the disk limit is far
   above the filesystem: the free-space rule alone), and it writes again.
 - Three engines (separate processes started together) writing overlapping
-  prefixes to one root with a disk limit of a few chunks, so eviction runs
-  while they write and read: outputs identical to no cache, and every
-  engine gets hits in a second round.
+  prefixes to one root with a disk limit of a few dozen chunks, so
+  eviction runs while they write and read: outputs identical to no cache,
+  and every engine gets hits in a last round.
 
 vLLM's local prefix cache is off, so every hit comes from vineyard.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ from tests.vineyard_engine_testing import (
     EngineRun,
     ReferenceRunner,
     engine_env,
+    open_gate,
     run_engine,
+    wait_at_gate,
 )
 from tests.vineyard_testing import random_tokens
 
@@ -40,6 +43,9 @@ MiB = 1 << 20
 #: A chunk of the default toy model: 256 tokens x 4 layers x K, V x
 #: 2 heads x 64 x float32 = 1 MiB (and its trailers and ids).
 FS_BYTES = 4 * MiB
+#: The three engines' disk limit: 42 chunks of 64 tokens of the toy model
+#: (256 KiB each), about 40 with their ids and trailers.
+THREE_ENGINES_BUDGET = 42 * MiB // 4
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +167,26 @@ def test_full_disk_engine(
 def three_engines(
     toy_model: str, prompts: dict[str, list[list[int]]], module_dir: Path
 ) -> list[EngineRun]:
-    """Three engines started together on one root, a budget of about 20
-    chunks (24 distinct chunks are written). Engine ``i`` writes shared
-    prompts ``i`` and ``i + 1`` (so every pair of engines writes some same
-    chunks at once), then generates all three."""
+    """Three engines started together on one root, a budget of about 40
+    chunks. Round 0: each writes a prompt of its own (60 chunks in all:
+    eviction runs). Round 1: engine ``i`` writes shared prompts ``i`` and
+    ``i + 1`` (24 chunks, every pair of engines writes some same chunks at
+    once) while round 0's chunks are evicted. Round 2: each generates all
+    three. Each round starts once every engine finished the one before (and
+    its writes), a second later: LRU tells apart what is used in different
+    seconds only."""
     shared = prompts["shared"]
+    own = [*prompts["fill"], *prompts["after"]]
     env = engine_env(
         module_dir / "shared_root",
         extra={
-            "VINEYARD_CACHE_DISK_LIMIT_GB": str(5 * MiB / (1 << 30)),
+            "VINEYARD_CACHE_DISK_LIMIT_GB": str(THREE_ENGINES_BUDGET / (1 << 30)),
             "VINEYARD_CACHE_SWEEP_INTERVAL_S": "1",
         },
     )
+    gates = [
+        [module_dir / f"engine_{i}" / f"round{r}" for r in (1, 2)] for i in range(3)
+    ]
     runs: list[EngineRun | None] = [None] * 3
     errors: list[BaseException] = []
 
@@ -181,8 +195,12 @@ def three_engines(
             runs[i] = run_engine(
                 toy_model,
                 [
-                    {"prompts": [shared[i], shared[(i + 1) % 3]]},
-                    {"prompts": shared},
+                    {"prompts": [own[i]]},
+                    {
+                        "prompts": [shared[i], shared[(i + 1) % 3]],
+                        "gate": str(gates[i][0]),
+                    },
+                    {"prompts": shared, "gate": str(gates[i][1])},
                 ],
                 env,
                 module_dir / f"engine_{i}",
@@ -198,8 +216,20 @@ def three_engines(
         threads = [threading.Thread(target=start, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for r in range(2):
+                for i in range(3):
+                    wait_at_gate(gates[i][r], running=threads[i].is_alive)
+                time.sleep(1.1)
+                for i in range(3):
+                    open_gate(gates[i][r])
+        except BaseException:
+            for gate in (g for engine_gates in gates for g in engine_gates):
+                open_gate(gate)  # none waits for the gate timeout
+            raise
+        finally:
+            for t in threads:
+                t.join()
     if errors:
         raise errors[0]
     return [r for r in runs if r is not None]
@@ -208,21 +238,20 @@ def three_engines(
 def test_three_engines_one_root(
     three_engines: list[EngineRun], no_cache: dict[str, list[list[int]]]
 ) -> None:
-    """No crash, no wrong output, hits, no corrupt chunk, while eviction
-    runs; the counters show what the races cost. (An engine that starts
-    seconds before the others, as on a busy machine, may ask its second
-    round before they write, and find the first chunks of its own prompts
-    evicted: LRU takes a prefix's first chunks first when its write spans
-    seconds. So hits are asked of two engines of three.)"""
+    """No crash, no wrong output, no corrupt chunk, while eviction runs;
+    every engine gets hits in the last round (what was used last stays);
+    the counters show what the races cost."""
     expected = no_cache["shared"]
+    own = [*no_cache["fill"], *no_cache["after"]]
     assert len(three_engines) == 3
     for i, run in enumerate(three_engines):
-        assert run.rounds[0].outputs == [expected[i], expected[(i + 1) % 3]]
-        assert run.rounds[1].outputs == expected
+        assert run.rounds[0].outputs == [own[i]]
+        assert run.rounds[1].outputs == [expected[i], expected[(i + 1) % 3]]
+        assert run.rounds[2].outputs == expected
         assert run.last.counter("corrupt_chunks") == 0
         assert run.last.counter("write_errors") == 0
-    hits = [run.delta(1, "hit_tokens") for run in three_engines]
-    assert sum(h > 0 for h in hits) >= 2, hits
+    hits = [run.delta(2, "hit_tokens") for run in three_engines]
+    assert all(h > 0 for h in hits), hits
     assert sum(r.last.counter("evicted_chunks") for r in three_engines) > 0
     summary = {
         name: [r.last.counter(name) for r in three_engines]

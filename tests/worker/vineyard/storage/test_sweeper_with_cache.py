@@ -41,6 +41,9 @@ from vllm.worker.vineyard.storage.namespaces import MANIFEST
 from vllm.worker.vineyard.storage.root_files import ROOT_FILES
 from vllm.worker.vineyard.storage.sweep_passes import TEMP_MAX_AGE_S
 
+#: Prefixes written while the hot one is in use (24 chunks, the budget 12).
+ROUNDS = 6
+
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Iterator[Harness]:
@@ -52,14 +55,14 @@ def cache(tmp_path: Path) -> Iterator[Harness]:
 
 def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
     """A budget of 12 chunks; a hot and a cold prefix (4 chunks each),
-    written long ago; then 10 rounds each writing a new prefix (written
+    written long ago; then 6 rounds each writing a new prefix (written
     later than the last; whole, once the writer's sweeper made room) and
     loading the hot one (a verified hit marks its chunks used), and a
     sweep. The hot prefix is loaded whole every time, however old its
     write; the cold one is evicted first."""
     h = cache
     root = Path(h.cache.config.root)
-    hot, cold, *news = prefixes(12, seed=1)
+    hot, cold, *news = prefixes(2 + ROUNDS, seed=1)
     start = time.time() - LONG_AGO
     for tokens in (cold, hot):
         h.write(tokens)
@@ -68,12 +71,18 @@ def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
     chunk_bytes = disk_bytes(chunk_paths(h, hot)[0])
     s = set_root(str(root), 12 * chunk_bytes + chunk_bytes // 2)
     assert h.load(hot) == 4 * CHUNK_SIZE  # in use before the writes begin
-    for r, tokens in enumerate(news[:10]):
+    for r, tokens in enumerate(news[:ROUNDS]):
         h.write_whole(tokens)
         sweep_now(s)
         assert len(chunk_files(root)) <= 12
-        # A later write than the last one: set back once the sweeper saw
-        # it (a last use moved back is believed, see ObservedLastUse).
+        # The writer's sweeper sees a chunk written after its last pass and
+        # set back before its next as new, used no earlier than that last
+        # pass began (see ObservedLastUse): that pass is over before the
+        # hot prefix's use, which falls in a later second (LRU's unit).
+        settled([h], root)
+        time.sleep(1.01 - time.time() % 1)
+        # A later write than the last one: set back once the test's
+        # sweeper saw it (a last use moved back is believed).
         for p in chunk_paths(h, tokens):
             age(p, start + 100 * (r + 1))
         assert h.load(hot) == 4 * CHUNK_SIZE  # verified and bit-exact
@@ -81,7 +90,7 @@ def test_hot_prefix_survives_while_cold_one_is_evicted(cache: Harness) -> None:
     assert not any(os.path.exists(p) for p in chunk_paths(h, cold))
     assert h.load(cold) == 0
     # The last prefixes written are cached as well.
-    assert h.load(news[9]) == 4 * CHUNK_SIZE
+    assert h.load(news[ROUNDS - 1]) == 4 * CHUNK_SIZE
 
 
 def test_evicted_early_chunk_cuts_the_prefix(cache: Harness) -> None:
