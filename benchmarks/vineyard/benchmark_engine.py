@@ -237,11 +237,13 @@ def hit_breakdown(run: EngineRun, index: int, ttft_s: float) -> dict[str, Any]:
     before the request's arrival and after its forward pass."""
     phases: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for name in (*HIT_PHASES, *LOAD_PARTS):
+    for name in (*HIT_PHASES, "load_s", *LOAD_PARTS):
         full = histogram_metric_name(name)
         count, total = run.rounds[index].histogram(full)
         count0, total0 = run.rounds[index - 1].histogram(full)
         phases[name], counts[name] = total - total0, count - count0
+    # HIT_PHASES add up; the workers' own time of the load (``load_s``)
+    # is a part of ``hit_load_s``, read, verify and copy parts of that.
     accounted = sum(phases[name] for name in HIT_PHASES)
     return {
         "phases_s": phases,

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 
-from benchmark_engine import MODELS, Plan, engine  # noqa: E402
+from benchmark_engine import MODELS, Plan, engine, hit_breakdown  # noqa: E402
 from slow_fs import SlowFs, other_cores  # noqa: E402
 
 from tests import vineyard_toy_model as toy  # noqa: E402
@@ -118,6 +118,8 @@ def run_model(
                         "cached_tokens": r.num_cached_tokens[0],
                         "same_answer": r.outputs == base.outputs,
                     }
+                    if cfg in ("auto", "always"):
+                        row[cfg]["breakdown"] = hit_breakdown(run, i + 1, r.wall_s)
                 rows.append(row)
             auto = runs["auto"].last
             print(f"    {mbps:g} MB/s: auto computed "

@@ -32,7 +32,11 @@ from tests.vineyard_testing import (
     wait_for_writes,
     wait_until,
 )
-from vllm.worker.vineyard.backend.protocol import BackendSettings, StatsRequest
+from vllm.worker.vineyard.backend.protocol import (
+    BackendError,
+    BackendSettings,
+    StatsRequest,
+)
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.storage.digests import (
@@ -123,6 +127,13 @@ class TestingCache(VineyardLLMCache):
         # Other loads that finished meanwhile are reported as usual.
         self.loads._finished.extend(r for r in results if r[0] != req_id)
         assert mine, "a blocking load did not finish"
+        # A reader marks a hit's chunks used once idle; it answers any
+        # other request after that: the hit is marked when this returns.
+        busy = {id(read.reader) for read in self.loads._in_flight}
+        for reader in self.loads._readers:
+            if id(reader) not in busy and reader.available:
+                with contextlib.suppress(BackendError):  # dead: nothing to mark
+                    self.loads._calls.call(reader, StatsRequest())
         return mine[0][1]
 
     def save(

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.vineyard_testing import wait_until
 from tests.worker.vineyard_cache_testing import (
     BLOCK_SIZE,
     CHUNK_SIZE,
@@ -44,7 +45,7 @@ from tests.worker.vineyard_cache_testing import (
 )
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.log_limiter import LogLimiter
-from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.chunks import ChunkFiles, PendingTouches
 from vllm.worker.vineyard.storage.digests import (
     FORMAT_VERSION,
     extend_digests,
@@ -768,3 +769,51 @@ def test_a_hit_marks_the_whole_prefix_used(make_cache: CacheFactory) -> None:
     dst = h.blocks_for(DST, SEQ_LEN)
     assert h.load(tokens, start, CACHED, dst) == CACHED
     assert all(os.stat(p).st_mtime > long_ago + 3600 for p in paths)
+
+
+def test_an_idle_reader_marks_a_hit_used(make_cache: CacheFactory) -> None:
+    """The reader marks a hit's chunks after answering it, once no request
+    waits: no later request is needed (a load as the engine makes it)."""
+    h = make_cache()
+    tokens = make_tokens(SEQ_LEN)
+    h.save_tokens(tokens, SRC)
+    paths = [h.chunk_path(tokens, c) for c in range(SEQ_CHUNKS)]
+    long_ago = time.time() - 86400
+    for path in paths:
+        os.utime(path, (long_ago, long_ago))
+    loads = h.cache.loads
+    loads.start("hit", h.digests(tokens), 0, CACHED, h.blocks_for(DST, SEQ_LEN))
+    loads.poll(wait=True)
+    assert [r[:2] for r in loads.take_finished()] == [("hit", CACHED)]
+
+    def marked() -> bool:
+        return all(os.stat(p).st_mtime > long_ago + 3600 for p in paths)
+
+    assert wait_until(marked, 10.0)
+
+
+def test_pending_touches_wait_for_a_run_at_most_their_delay(tmp_path: Path) -> None:
+    """Marks wait until run (an idle reader, or a request other than a
+    read), or until they are overdue; a run marks each once."""
+    files = ChunkFiles(str(tmp_path), 1, 16, False)
+    ids = [[11, 12, 13], [21, 22]]
+    long_ago = time.time() - 86400
+    paths = []
+    for seq in ids:
+        for end in range(1, len(seq) + 1):
+            path = Path(files.path(seq[:end]))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+            os.utime(path, (long_ago, long_ago))
+            paths.append(path)
+    touches = PendingTouches(files, max_delay_s=1.0)
+    assert not touches and not touches.due(100.0)
+    touches.add(ids[0], 1, 2, now=100.0)  # chunks 1-2 of the first
+    touches.add(ids[1], 0, 0, now=100.5)  # nothing
+    touches.add(ids[1], 0, 2, now=100.7)
+    assert touches and not touches.due(100.9) and touches.due(101.0)
+    assert all(p.stat().st_mtime == long_ago for p in paths)
+    touches.run()
+    assert not touches and not touches.due(200.0)
+    marked = [p.stat().st_mtime > long_ago + 3600 for p in paths]
+    assert marked == [False, True, True, True, True]

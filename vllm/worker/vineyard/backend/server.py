@@ -99,6 +99,9 @@ class _LookupServer:
             return PingReply(os.getpid())
         raise ValueError(f"unknown lookup request {request!r}")
 
+    def when_idle(self) -> None:
+        """Nothing waits for an idle lookup process."""
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -154,5 +157,7 @@ def main(argv: list[str]) -> int:
             reply = ("error", f"{type(e).__name__}: {e}")
         try:
             conn.send(reply)
+            if not conn.poll(0):
+                server.when_idle()
         except (EOFError, OSError):
             return 0

@@ -15,6 +15,9 @@ under the disk limit.
   writes it again), unless it is another prefix's valid chunk at the same
   path (a hash collision: counted, left in place); one that cannot be read
   now is reported and left alone.
+- A hit marks its chunks used after its reply, once the reader is idle
+  (:class:`~vllm.worker.vineyard.storage.chunks.PendingTouches`); every
+  request but a read sees the hits before it marked.
 
 Imports neither vLLM nor torch (it runs in the backend process).
 """
@@ -49,13 +52,16 @@ from vllm.worker.vineyard.backend.write_errors import (
     write_error_reason,
 )
 from vllm.worker.vineyard.log_limiter import LogLimiter
-from vllm.worker.vineyard.storage.chunks import ChunkFiles
+from vllm.worker.vineyard.storage.chunks import ChunkFiles, PendingTouches
 from vllm.worker.vineyard.storage.digests import load_auth_key, synthetic_id
 from vllm.worker.vineyard.storage.far_calls import calls_at_once_when_far
 from vllm.worker.vineyard.storage.sealing import Sealer
 from vllm.worker.vineyard.storage.sweeper import RootSweeper
 
 logger = logging.getLogger(__name__)
+
+#: Longest a hit's marking waits for an idle reader (reads come first).
+TOUCH_DELAY_MAX_S = 1.0
 
 #: What a cache backend counts (sent with every reply, then reset).
 _COUNTERS = (
@@ -121,6 +127,7 @@ class VineyardServer:
         self._removed: list[str] = []  # corrupt chunk files removed
         self._unreadable: list[tuple[str, int, int]] = []  # see BackendStats
         self._log = LogLimiter(logger)
+        self._touches = PendingTouches(self._files, TOUCH_DELAY_MAX_S)
         # The root's filesystem at start: a mount that goes away leaves an
         # empty local folder (or none) at its path (see _root_lost).
         self._root_dev = os.stat(spec.cache_root).st_dev
@@ -336,8 +343,13 @@ class VineyardServer:
         # and (``touch_prefix``) the chunks before them that vLLM's own
         # prefix cache served this time, so LRU follows every use.
         first = 0 if request.touch_prefix and good else len(prefix) // bpc
-        self._files.touch(prefix + ids, first, (len(prefix) + good) // bpc - first)
+        end = (len(prefix) + good) // bpc
+        self._touches.add(prefix + ids, first, end - first, time.monotonic())
         return QueryReply(good, self.take_stats(), read - started, verify_s)
+
+    def when_idle(self) -> None:
+        """What waits for no request to be waiting: marking hits used."""
+        self._touches.run()
 
     def _failed_chunk(
         self,
@@ -460,6 +472,8 @@ class VineyardServer:
     def handle(
         self, request: object
     ) -> UpdateReply | QueryReply | StatsReply | RemoveReply | PingReply:
+        if not isinstance(request, QueryRequest) or self._touches.due(time.monotonic()):
+            self._touches.run()
         if isinstance(request, UpdateRequest):
             return self.update(request)
         if isinstance(request, RemoveRequest):

@@ -217,3 +217,38 @@ class ChunkFiles:
             return True
         except FileNotFoundError:
             return False
+
+
+class PendingTouches:
+    """Hits' chunks to mark used (:meth:`ChunkFiles.touch`) once the reader
+    is idle: a ``utime`` per chunk is a round trip on a network filesystem,
+    which a request's load need not wait for. Marks wait at most
+    ``max_delay_s`` for an idle moment."""
+
+    def __init__(self, files: ChunkFiles, max_delay_s: float):
+        self._files = files
+        self._max_delay_s = max_delay_s
+        self._touches: list[tuple[list[int], int, int]] = []
+        self._since = 0.0  # when the oldest waiting mark was added
+
+    def add(
+        self, ids: list[int], first_chunk: int, num_chunks: int, now: float
+    ) -> None:
+        if num_chunks <= 0:
+            return
+        if not self._touches:
+            self._since = now
+        self._touches.append((ids, first_chunk, num_chunks))
+
+    def due(self, now: float) -> bool:
+        """Whether marks waited their longest by ``now``."""
+        return bool(self._touches) and now - self._since >= self._max_delay_s
+
+    def __bool__(self) -> bool:
+        return bool(self._touches)
+
+    def run(self) -> None:
+        """Mark every waiting hit's chunks used now."""
+        touches, self._touches = self._touches, []
+        for ids, first_chunk, num_chunks in touches:
+            self._files.touch(ids, first_chunk, num_chunks)
