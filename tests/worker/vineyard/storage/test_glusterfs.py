@@ -7,7 +7,6 @@ settings, its sweep lock and LRU by use hold across the clients."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import random
 import time
@@ -20,6 +19,7 @@ from tests.worker.vineyard_glusterfs_testing import glusterfs_mounts
 from vllm.worker.vineyard.storage.root_files import (
     SWEEP_LOCK,
     RootSettings,
+    flock_within,
     read_root_settings,
     record_root_settings,
 )
@@ -61,10 +61,12 @@ def test_two_hosts_share_one_root_on_glusterfs(tmp_path: Path) -> None:
             assert sweeper_b.limit_bytes == 1 << 30
             assert {c.path for c in scan_root(str(root_a)).chunks} == chunks
 
-            # One sweep per root at a time, across hosts: A holds the lock.
+            # One sweep per root at a time, across hosts: A holds the lock
+            # (once B's unlock of its sweep reaches the bricks: GlusterFS
+            # releases a closed file's lock asynchronously).
             fd = os.open(root_a / SWEEP_LOCK, os.O_RDWR)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                assert flock_within(fd, 30.0, 0.05)
                 assert not sweeper_b.sweep()
             finally:
                 os.close(fd)
