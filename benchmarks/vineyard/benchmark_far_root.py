@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     # The engines on the first core (one thread each), like a busy server;
     # the cache's backends and the link's daemon on the others.
     os.environ["OMP_NUM_THREADS"] = "1"
+    # Every engine with glibc's malloc thresholds fixed: left dynamic, an
+    # engine's allocation history decides whether a forward pass's large
+    # activations are mapped afresh (and their pages zeroed) every time,
+    # which moved one engine's prefill by up to 1.6x against another's
+    # (vLLM's CPU guide preloads tcmalloc for the same reason).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 << 20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     results = []
