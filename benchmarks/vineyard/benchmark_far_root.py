@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every engine with glibc's malloc thresholds fixed: left dynamic, an
     # engine's allocation history decides whether a forward pass's large
     # activations are mapped afresh (and their pages zeroed) every time,
-    # which moved one engine's prefill by up to 1.6x against another's
+    # which moved one engine's prefill by up to 1.8x against another's
     # (vLLM's CPU guide preloads tcmalloc for the same reason).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 << 20))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))

@@ -754,17 +754,24 @@ def test_warnings_that_every_chunk_could_trigger_are_rate_limited() -> None:
     assert logged[-1] == "chunk 100 is bad (99 more like it in the last minute)"
 
 
-def test_a_hit_marks_the_whole_prefix_used(make_cache: CacheFactory) -> None:
-    """LRU by use, whoever served it: a load of chunks 2-3 whose chunks 0-1
-    vLLM's own prefix cache served marks all four used, so a hot shared
-    prefix is not evicted for being served locally."""
-    h = make_cache()
+def _saved_long_ago(h: CacheHarness) -> tuple[list[int], list[str], float]:
+    """A saved prompt whose chunks were last used a day ago: its tokens,
+    its chunk paths and that time."""
     tokens = make_tokens(SEQ_LEN)
     h.save_tokens(tokens, SRC)
     paths = [h.chunk_path(tokens, c) for c in range(SEQ_CHUNKS)]
     long_ago = time.time() - 86400
     for path in paths:
         os.utime(path, (long_ago, long_ago))
+    return tokens, paths, long_ago
+
+
+def test_a_hit_marks_the_whole_prefix_used(make_cache: CacheFactory) -> None:
+    """LRU by use, whoever served it: a load of chunks 2-3 whose chunks 0-1
+    vLLM's own prefix cache served marks all four used, so a hot shared
+    prefix is not evicted for being served locally."""
+    h = make_cache()
+    tokens, paths, long_ago = _saved_long_ago(h)
     start = 2 * CHUNK_SIZE
     dst = h.blocks_for(DST, SEQ_LEN)
     assert h.load(tokens, start, CACHED, dst) == CACHED
@@ -775,12 +782,7 @@ def test_an_idle_reader_marks_a_hit_used(make_cache: CacheFactory) -> None:
     """The reader marks a hit's chunks after answering it, once no request
     waits: no later request is needed (a load as the engine makes it)."""
     h = make_cache()
-    tokens = make_tokens(SEQ_LEN)
-    h.save_tokens(tokens, SRC)
-    paths = [h.chunk_path(tokens, c) for c in range(SEQ_CHUNKS)]
-    long_ago = time.time() - 86400
-    for path in paths:
-        os.utime(path, (long_ago, long_ago))
+    tokens, paths, long_ago = _saved_long_ago(h)
     loads = h.cache.loads
     loads.start("hit", h.digests(tokens), 0, CACHED, h.blocks_for(DST, SEQ_LEN))
     loads.poll(wait=True)
