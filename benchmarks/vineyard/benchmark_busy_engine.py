@@ -29,7 +29,6 @@ cache's batch time over its number of steps; target: at most one). Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 
-from benchmark_engine import MODELS, Plan, engine  # noqa: E402
+from benchmark_engine import MODELS, Plan, engine, engines_on_the_first_core  # noqa: E402
 from slow_fs import SlowFs, other_cores  # noqa: E402
 
 from tests import vineyard_toy_model as toy  # noqa: E402
@@ -179,11 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, models=args.models)
     if args.mbps:
         plan = replace(plan, mbps=tuple(args.mbps))
-    # The engines on the first core (one thread each), like a busy server;
-    # the cache's backends and the link's daemon on the others.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    # The link's daemon runs on the other cores, with the backends.
+    engines_on_the_first_core()
     results = []
     start = time.perf_counter()
     if args.workdir:

@@ -28,7 +28,6 @@ no cache's. Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -43,7 +42,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "vineyard"))
 
-from benchmark_engine import MODELS, Plan, engine, hit_breakdown  # noqa: E402
+from benchmark_engine import (  # noqa: E402
+    MODELS,
+    Plan,
+    engine,
+    engines_on_the_first_core,
+    hit_breakdown,
+)
 from slow_fs import SlowFs, other_cores  # noqa: E402
 
 from tests import vineyard_toy_model as toy  # noqa: E402
@@ -199,18 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=1,
         max_num_batched_tokens=max(lengths) + 64,
     )
-    # The engines on the first core (one thread each), like a busy server;
-    # the cache's backends and the link's daemon on the others.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # Every engine with glibc's malloc thresholds fixed: left dynamic, an
-    # engine's allocation history decides whether a forward pass's large
-    # activations are mapped afresh (and their pages zeroed) every time,
-    # which moved one engine's prefill by up to 1.8x against another's
-    # (vLLM's CPU guide preloads tcmalloc for the same reason).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 << 20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    # The link's daemon runs on the other cores, with the backends.
+    engines_on_the_first_core()
     results = []
     start = time.perf_counter()
     if args.workdir:
