@@ -36,7 +36,10 @@ every answer equals no cache's for the same (user, round) (greedy runs), and
 for this cache: updates submitted and skipped, the skipped share (skipped /
 (submitted + skipped)), backend restarts, cached tokens computed instead of
 loaded for slowness and loads stopped for slowness
-(``tokens_not_loaded_slow``, ``loads_stopped_slow``). Usage::
+(``tokens_not_loaded_slow``, ``loads_stopped_slow``), and where a hit's
+time went: the mean of each ``hit_*`` phase over every request with a hit
+(the cache's instances run with ``VINEYARD_CACHE_METRICS_ENABLED=1``).
+Usage::
 
     python benchmarks/vineyard/serve_chats.py [--quick] [--json out.json]
         [--runs N] [--think-s S] [--peer] [--root-latency-ms 1 5]
@@ -71,6 +74,7 @@ from serve_harness import (  # noqa: E402
     Server,
     add_run_arguments,
     counter,
+    histogram_means,
     pin_off,
     run_folder,
     setup,
@@ -86,6 +90,8 @@ from serve_roots import (  # noqa: E402
     shared_volume,
 )
 from slow_fs import fuse_unavailable  # noqa: E402
+
+from vllm.worker.vineyard.metrics import HIT_PHASES, histogram_metric_name  # noqa: E402
 
 #: Common words: random text of about one token per word.
 _COMMON = """
@@ -249,6 +255,9 @@ def run_config(
     one per instance), every user's chat; the summary, the cache's counters
     and the answers per (user, round) (``"answers"``)."""
     envs = env if isinstance(env, list) else [env] * plan.instances
+    cached = "VLLM_USE_VINEYARD_CACHE" in envs[0]
+    if cached:  # where a hit's time goes (the hit_* histograms)
+        envs = [{**e, "VINEYARD_CACHE_METRICS_ENABLED": "1"} for e in envs]
     args = ["--enable-prompt-tokens-details", *extra_args]
     # One core per instance where there are enough (their backends move to
     # the others': busy cores, as on a CPU-only server).
@@ -278,13 +287,18 @@ def run_config(
         for t in users:
             t.join()
         result = summarize(plan, turns)
-        if "VLLM_USE_VINEYARD_CACHE" in envs[0]:
+        if cached:
+            urls = [s.url for s in servers]
             for metric in CACHE_METRICS:
                 result[metric] = sum(
-                    counter(s.url, f"vllm:vineyard_cache_{metric}_total")
-                    for s in servers
+                    counter(url, f"vllm:vineyard_cache_{metric}_total") for url in urls
                 )
             result["updates_skipped_share"] = skipped_share(result)
+            names = {histogram_metric_name(p): p for p in HIT_PHASES}
+            means = histogram_means(urls, list(names))
+            result["hit_phases_ms"] = {
+                phase: 1e3 * means.get(name, 0.0) for name, phase in names.items()
+            }
         result["answers"] = {(t.user, t.round): t.answer for t in turns}
         return result
     finally:
@@ -449,6 +463,14 @@ def print_chats(result: dict[str, Any]) -> None:
                 continue
             row = "".join(f"{_cell(r, key, fmt):>12}" for key, _, fmt in COLUMNS)
             print(f"  {label:{width}}{row}")
+    print("  where a hit's time went (ms, the mean over every request with a hit):")
+    heads = [p.removeprefix("hit_").removesuffix("_s") for p in HIT_PHASES]
+    print(f"  {'run / config':{width}}" + "".join(f"{h:>12}" for h in heads))
+    for i, run in enumerate(runs):
+        for name, r in run.items():
+            if "hit_phases_ms" in r:
+                row = "".join(f"{v:>12.1f}" for v in r["hit_phases_ms"].values())
+                print(f"  {f'{i + 1}: {name}':{width}}{row}")
 
 
 def main(argv: list[str] | None = None) -> int:
