@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,9 +59,25 @@ def server_counter(url: str, name: str) -> float:
 
 
 def free_port() -> int:
+    """A free local port below the kernel's ephemeral range: a client that
+    keeps connecting to a port while its server starts (a ZMQ subscriber,
+    a /health poll) can otherwise get that port as its own source port and
+    connect to itself (TCP simultaneous open), never reaching the server."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.SystemRandom().sample(range(10000, max(low, 10001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class Server:

@@ -47,7 +47,7 @@ from vllm.worker.vineyard.storage.digests import (
 )
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.namespaces import MANIFEST, TEMP_DIR
-from vllm.worker.vineyard.storage.root_files import ROOT_FILES
+from vllm.worker.vineyard.storage.root_files import is_root_file
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 from vllm.worker.vineyard_llm_cache import VineyardLLMCache, _PinnedTensorPool
 
@@ -318,7 +318,7 @@ def chunk_files(root: str | os.PathLike[str]) -> list[str]:
         found.extend(
             os.path.join(dirpath, f)
             for f in filenames
-            if f != MANIFEST and f not in ROOT_FILES
+            if f != MANIFEST and not is_root_file(f)
         )
     return found
 
