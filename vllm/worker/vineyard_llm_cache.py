@@ -41,6 +41,7 @@ from vllm.worker.vineyard.storage.root import check_root
 from vllm.worker.vineyard.transfer.backends import BackendCalls, start_backends
 from vllm.worker.vineyard.transfer.kv_copy import KVBlockCopier
 from vllm.worker.vineyard.transfer.loads import LoadPipeline
+from vllm.worker.vineyard.transfer.read_ahead import read_ahead_buffers
 from vllm.worker.vineyard.transfer.saves import (
     SavePipeline,
     UpdateResult,
@@ -341,9 +342,13 @@ class VineyardLLMCache:
         self.num_readers = config.readers or default_readers(self.device.type != "cpu")
         # A read buffer holds a segment of a load: a quarter of a step's
         # blocks (whole chunks), so that a long load's reads overlap.
+        segment_blocks = max(bpc, max_blocks // 4 // bpc * bpc)
+        ahead = read_ahead_buffers(
+            config.read_ahead_buffers, segment_blocks * layout.entry_bytes
+        )
         self._read_buffers = ReadBuffers(
-            self.num_readers + 1 + config.read_ahead_buffers,
-            max(bpc, max_blocks // 4 // bpc * bpc),
+            self.num_readers + 1 + ahead,
+            segment_blocks,
             layout.entry_bytes,
             dtype,
             self.device,
@@ -379,7 +384,7 @@ class VineyardLLMCache:
             layout,
             self.metrics,
             config.backend_timeout_s,
-            config.read_ahead_buffers,
+            ahead,
         )
         sync_s = None if config.enable_async_update else config.backend_timeout_s + 5
         self._saves = SavePipeline(

@@ -60,9 +60,13 @@ def read_ahead_until_settled(
 
 
 @pytest.fixture
-def saved(make_cache: CacheFactory) -> tuple[CacheHarness, list[int], list[int]]:
+def saved(
+    make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> tuple[CacheHarness, list[int], list[int]]:
     """A cache whose segments are one chunk each, with a five-chunk
-    sequence saved: the harness, its tokens, its source blocks."""
+    sequence saved: the harness, its tokens, its source blocks. The budget
+    is the setting's (no floor in bytes), fewer buffers than segments."""
+    monkeypatch.setattr(read_ahead, "MIN_BYTES", 0)
     h = make_cache(readers=2, read_ahead_buffers=BUDGET)
     assert h.cache.loads._segment_blocks == CHUNK_SIZE // h.block_size
     tokens = make_tokens(5 * CHUNK_SIZE + 1)
@@ -175,3 +179,31 @@ def test_a_read_ahead_of_other_chunks_is_dropped_and_the_load_is_whole(
     h.check_loaded(before, src[: total // h.block_size], dst)
     assert h.counters()["read_ahead_unused_tokens"] > 0
     assert len(loads._free_buffers) == loads._buffers.memory.count
+
+
+@pytest.mark.parametrize(
+    "setting,buffer_bytes,expected",
+    [
+        (0, 1 << 10, 0),  # off stays off
+        (4, 1 << 20, 16),  # small buffers: as many as make the floor
+        (4, 3 << 20, 6),  # rounded up
+        (4, 8 << 20, 4),  # large buffers: the setting's count
+        (20, 1 << 20, 20),  # never fewer than the setting
+        (4, 1 << 10, read_ahead.MAX_BUFFERS),  # never more than the most
+    ],
+)
+def test_read_ahead_holds_at_least_the_floor_in_bytes(
+    setting: int, buffer_bytes: int, expected: int
+):
+    assert read_ahead.MIN_BYTES == 16 << 20
+    assert read_ahead.read_ahead_buffers(setting, buffer_bytes) == expected
+
+
+def test_a_small_models_cache_reads_ahead_the_floor(make_cache: CacheFactory):
+    """The default setting on a model whose quarter-step buffers are
+    small: the cache has the floor's worth of read-ahead buffers."""
+    h = make_cache(readers=1)
+    memory, budget = h.cache._read_buffers.memory, h.cache.loads._ahead.budget
+    assert memory.buffer_bytes * 4 < read_ahead.MIN_BYTES  # small, as assumed
+    assert budget == read_ahead.read_ahead_buffers(4, memory.buffer_bytes) > 4
+    assert memory.count == h.cache.num_readers + 1 + budget

@@ -15,6 +15,19 @@ from vllm.worker.vineyard.transfer.load_jobs import LoadJob, SegmentRead, segmen
 #: How long one read ahead is expected to take, at most: a load that comes
 #: meanwhile waits for the reader about that long.
 READ_S = 0.1
+#: Least memory the read-ahead buffers of a worker hold in all: a small
+#: model's quarter-step buffers would otherwise hold a few hundred tokens,
+#: less than one queued hit. Never more buffers than the setting allows.
+MIN_BYTES = 16 << 20
+MAX_BUFFERS = 64
+
+
+def read_ahead_buffers(setting: int, buffer_bytes: int) -> int:
+    """Read buffers for read-ahead: the setting's count (``0``: none), or
+    more where that holds less than :data:`MIN_BYTES`."""
+    if setting == 0:
+        return 0
+    return max(setting, min(MAX_BUFFERS, -(-MIN_BYTES // buffer_bytes)))
 
 
 class ReadAheadJobs:
