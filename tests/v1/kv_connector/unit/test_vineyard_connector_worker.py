@@ -438,3 +438,39 @@ def test_close_during_a_load(tmp_path: Path) -> None:
         assert w.cache.metrics.snapshot()["load_errors"] == 1
     finally:
         w.close()
+
+
+def test_a_load_moves_on_between_layers(tmp_path: Path) -> None:
+    """One reader, a load of four segments (a read each): a read goes out
+    only when the forward thread polls, so a pass whose layers do not ask
+    has its load wait after the first read, however long the pass; asked
+    before each layer's attention (vLLM's ``wait_for_layer_load``), the
+    reads go out one after another and the load is done by the pass's end,
+    its blocks exact."""
+    config = make_config(tmp_path, readers=1)
+    w = make_worker(config, make_layout())
+    try:
+        prompt = fresh_tokens(4 * CHUNK_SIZE + 5)
+        save_prompt(config, w, prompt, list(range(0, 9)))
+        expected = w.kv[:, 0:8].clone()
+        sched = make_scheduler(config, [w.layout])
+        req = make_request("between-layers", prompt)
+        assert admit(sched, req) == 4 * CHUNK_SIZE
+        loads = w.cache.loads
+        w.worker.start_load_kv(allocate(sched, req, list(range(20, 29))))
+        assert loads._segment_blocks == BLOCKS_PER_CHUNK  # four reads
+        assert wait_until(lambda: all(r.reader.ready() for r in loads._in_flight))
+        time.sleep(0.2)
+        assert loads.loading(req.request_id)
+        assert loads._jobs[req.request_id].next_segment == 1  # no read sent since
+
+        deadline = time.monotonic() + 30
+        while loads.loading(req.request_id):  # the layers of a pass
+            assert time.monotonic() < deadline, "the load never finished"
+            w.worker.between_layers()
+            time.sleep(0.001)
+        assert w.worker.get_finished(set()) == {req.request_id}
+        assert torch.equal(w.kv[:, 20:28], expected)
+        assert w.worker.take_load_errors() == set()
+    finally:
+        w.close()

@@ -17,6 +17,7 @@ scheduler decides on the minimum over ranks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,12 @@ def kv_layout_name(kv: torch.Tensor) -> str:
     return name
 
 
+#: Inside a forward pass, loads are moved on at most this often (before a
+#: layer's attention): a read answered mid-pass has the next one sent then,
+#: not at the pass's end, so a load of several reads finishes in one step.
+BETWEEN_LAYERS_POLL_S = 0.002
+
+
 class VineyardConnectorWorker:
     def __init__(
         self,
@@ -141,6 +148,7 @@ class VineyardConnectorWorker:
         self._load_errors: set[int] = set()
         self._could_load: bool | None = None  # as last reported
         self._resets = 0  # the scheduler's reset_cache calls, as seen
+        self._polled_at = 0.0  # the last poll between layers (monotonic)
         # What happens to the worker before (or instead of) its cache.
         self._metrics = VineyardCacheMetrics(config.metrics_enabled)
 
@@ -223,6 +231,17 @@ class VineyardConnectorWorker:
                     delta.load_s_per_block,
                 )
         self.cache.loads.poll()
+
+    def between_layers(self) -> None:
+        """vLLM's hook before a layer's attention: loads move on (answers
+        copied, next reads sent), never waiting. What is copied belongs to
+        requests that wait for their loads, never to this pass's."""
+        if self.cache is None or not self.cache.loads.reading:
+            return
+        now = time.monotonic()
+        if now - self._polled_at >= BETWEEN_LAYERS_POLL_S:
+            self._polled_at = now
+            self.cache.loads.poll()
 
     def wait_for_save(self, meta: VineyardConnectorMetadata) -> None:
         if self.cache is None or not meta.requests:

@@ -7,6 +7,7 @@ ahead for a queued request is the same job before it has blocks to fill."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
@@ -194,6 +195,29 @@ class LoadJob:
                 break
             k += 1
         return self.segments[self.next_copy][0] if end is None else end
+
+
+def slow_loads(
+    jobs: Iterable[LoadJob], in_flight: Iterable[SegmentRead], bs: int
+) -> list[LoadJob]:
+    """The loads that run slower than computing the rest
+    (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy engine's
+    long steps, time queued for a reader or a CPU do not count): a slow link
+    costs a request at most about a tenth of computing its hit more than
+    computing it, a read that stalls a quarter (a last read: its blocks'
+    computing)."""
+    now = time.monotonic()
+    unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
+    for read in in_flight:
+        if read.job.next_copy <= read.segment < len(read.job.segments):
+            unanswered.setdefault(id(read.job), read)
+    return [
+        job
+        for job in list(jobs)
+        if not job.finished
+        and job.last > job.loaded
+        and job.runs_slow(unanswered.get(id(job)), now, bs)
+    ]
 
 
 class HeldBuffers:

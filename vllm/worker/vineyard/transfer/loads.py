@@ -32,6 +32,7 @@ from vllm.worker.vineyard.transfer.load_jobs import (
     LoadJob,
     SegmentRead,
     segments_of,
+    slow_loads,
 )
 from vllm.worker.vineyard.transfer.read_ahead import ReadAheadJobs, free_run
 from vllm.worker.vineyard.transfer.staging import ReadBuffers
@@ -240,6 +241,11 @@ class LoadPipeline:
     def loading(self, req_id: str) -> bool:
         return req_id in self._jobs
 
+    @property
+    def reading(self) -> bool:
+        """Whether reads are out or waiting to go (a poll may move on)."""
+        return bool(self._in_flight or self._queue)
+
     def take_load_times(self) -> list[tuple[int, float]]:
         """``(blocks, seconds)`` of the loads and read-aheads finished since
         the last call, by their readers (or since a stopped one's read)."""
@@ -247,26 +253,14 @@ class LoadPipeline:
         return times
 
     def _stop_slow_loads(self) -> None:
-        """Stop the loads that run slower than computing the rest
-        (:meth:`LoadJob.runs_slow`), by the readers' own time (a busy
-        engine's long steps, time queued for a reader or a CPU do not
-        count): a slow link costs a request at most about a tenth of
-        computing its hit more than computing it, a read that stalls a
-        quarter (a last read: its blocks' computing)."""
-        now, bs = time.monotonic(), self._layout.block_size
-        unanswered: dict[int, SegmentRead] = {}  # job -> its next answer's read
-        for read in self._in_flight:
-            if read.job.next_copy <= read.segment < len(read.job.segments):
-                unanswered.setdefault(id(read.job), read)
-        for job in list(self._jobs.values()):
-            left = job.last - job.loaded
-            if job.finished or left <= 0:
-                continue
-            if job.runs_slow(unanswered.get(id(job)), now, bs):
-                job.stopped_slow = True
-                self._metrics.add("loads_stopped_slow")
-                self._metrics.add("tokens_not_loaded_slow", left * bs)
-                self._finish(job)
+        """Stop the loads that run slower than computing the rest (see
+        :func:`slow_loads`)."""
+        bs = self._layout.block_size
+        for job in slow_loads(self._jobs.values(), self._in_flight, bs):
+            job.stopped_slow = True
+            self._metrics.add("loads_stopped_slow")
+            self._metrics.add("tokens_not_loaded_slow", (job.last - job.loaded) * bs)
+            self._finish(job)
 
     def take_finished(self) -> list[tuple[str, int, int]]:
         """``(req_id, loaded_end, promised_end)`` of loads finished since
