@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.script_testing import clean_env, load_script  # noqa: E402
+from tests.vineyard_serve_testing import free_port  # noqa: E402
 
 #: Longest a server is given to exit after SIGINT before it is killed.
 EXIT_BOUND_S = 60.0
@@ -35,12 +35,6 @@ KVCACHE_SPACE_GIB = 1
 #: The cache's backend and lookup timeouts (s).
 BACKEND_TIMEOUT_S = 5.0
 LOOKUP_TIMEOUT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def counter(url: str, name: str) -> float:
@@ -72,7 +66,7 @@ class Server:
         args: list[str],
     ):  # fmt: skip
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work / f"{name}.log"
         env = clean_env()
