@@ -474,3 +474,38 @@ def test_a_load_moves_on_between_layers(tmp_path: Path) -> None:
         assert w.worker.take_load_errors() == set()
     finally:
         w.close()
+
+
+def test_loads_are_judged_slow_only_when_a_step_starts_or_ends(
+    tmp_path: Path,
+) -> None:
+    """A load priced so that any read makes it slower than computing: polled
+    between layers only, it is never judged and loads whole (a load's first
+    answers are mostly a file's latency); polled as a step starts or ends,
+    it stops as slow (the rest is computed)."""
+    config = make_config(tmp_path, readers=1)
+    w = make_worker(config, make_layout())
+    try:
+        prompt = fresh_tokens(4 * CHUNK_SIZE + 5)
+        save_prompt(config, w, prompt, list(range(0, 9)))
+        digests = extend_digests([], prompt, BLOCK_SIZE)
+        loads, end = w.cache.loads, 4 * CHUNK_SIZE
+        deadline = time.monotonic() + 30
+        for name, poll in [
+            ("mid-pass", w.worker.between_layers),
+            ("step", loads.poll),
+        ]:
+            before = w.cache.metrics.snapshot()["loads_stopped_slow"]
+            loads.start(name, digests, 0, end, range(20, 29), 1e-12)
+            while loads.loading(name):
+                assert time.monotonic() < deadline, "the load never finished"
+                poll()
+                time.sleep(0.001)
+            (finished,) = loads.take_finished()
+            stopped = w.cache.metrics.snapshot()["loads_stopped_slow"] - before
+            if name == "mid-pass":
+                assert finished == (name, end, end) and stopped == 0
+            else:
+                assert finished[1] < end and stopped == 1
+    finally:
+        w.close()

@@ -234,14 +234,15 @@ class VineyardConnectorWorker:
 
     def between_layers(self) -> None:
         """vLLM's hook before a layer's attention: loads move on (answers
-        copied, next reads sent), never waiting. What is copied belongs to
-        requests that wait for their loads, never to this pass's."""
+        copied, next reads sent), never waiting, and are judged slow only
+        when a step starts and ends, as without these polls. What is copied
+        belongs to requests that wait for their loads, never to this pass's."""
         if self.cache is None or not self.cache.loads.reading:
             return
         now = time.monotonic()
         if now - self._polled_at >= BETWEEN_LAYERS_POLL_S:
             self._polled_at = now
-            self.cache.loads.poll()
+            self.cache.loads.poll(judge=False)
 
     def wait_for_save(self, meta: VineyardConnectorMetadata) -> None:
         if self.cache is None or not meta.requests:

@@ -269,14 +269,17 @@ class LoadPipeline:
         done, self._finished = self._finished, []
         return done
 
-    def poll(self, wait: bool = False) -> None:
+    def poll(self, wait: bool = False, judge: bool = True) -> None:
         """Move loads on: collect the readers' answers that have arrived,
         copy their verified blocks into place and send the next reads.
-        Never waits unless ``wait`` (then until every load is done). Loads
-        are judged slow after the answers that arrived are in (a step that
-        ran long must not make a load that was done look slow)."""
+        Never waits unless ``wait`` (then until every load is done). With
+        ``judge`` (a step's start and end, not mid-pass: a load's first
+        answers are mostly a file's latency) loads are judged slow, after
+        the answers that arrived are in (a step that ran long must not make
+        a load that was done look slow)."""
         self._collect(wait)
-        self._stop_slow_loads()
+        if judge:
+            self._stop_slow_loads()
 
     def _collect(self, wait: bool) -> None:
         while True:
