@@ -440,72 +440,89 @@ def test_close_during_a_load(tmp_path: Path) -> None:
         w.close()
 
 
-def test_a_load_moves_on_between_layers(tmp_path: Path) -> None:
-    """One reader, a load of four segments (a read each): a read goes out
-    only when the forward thread polls, so a pass whose layers do not ask
-    has its load wait after the first read, however long the pass; asked
-    before each layer's attention (vLLM's ``wait_for_layer_load``), the
-    reads go out one after another and the load is done by the pass's end,
-    its blocks exact."""
+@pytest.fixture
+def one_reader(tmp_path: Path) -> Iterator[tuple[WorkerHarness, list[int]]]:
+    """A worker with one reader and a saved prompt of four whole chunks
+    (one chunk per segment: four reads), in blocks 0-8."""
     config = make_config(tmp_path, readers=1)
     w = make_worker(config, make_layout())
     try:
         prompt = fresh_tokens(4 * CHUNK_SIZE + 5)
         save_prompt(config, w, prompt, list(range(0, 9)))
-        expected = w.kv[:, 0:8].clone()
-        sched = make_scheduler(config, [w.layout])
-        req = make_request("between-layers", prompt)
-        assert admit(sched, req) == 4 * CHUNK_SIZE
-        loads = w.cache.loads
-        w.worker.start_load_kv(allocate(sched, req, list(range(20, 29))))
-        assert loads._segment_blocks == BLOCKS_PER_CHUNK  # four reads
-        assert wait_until(lambda: all(r.reader.ready() for r in loads._in_flight))
-        time.sleep(0.2)
-        assert loads.loading(req.request_id)
-        assert loads._jobs[req.request_id].next_segment == 1  # no read sent since
-
-        deadline = time.monotonic() + 30
-        while loads.loading(req.request_id):  # the layers of a pass
-            assert time.monotonic() < deadline, "the load never finished"
-            w.worker.between_layers()
-            time.sleep(0.001)
-        assert w.worker.get_finished(set()) == {req.request_id}
-        assert torch.equal(w.kv[:, 20:28], expected)
-        assert w.worker.take_load_errors() == set()
+        assert w.cache.loads._segment_blocks == BLOCKS_PER_CHUNK
+        yield w, prompt
     finally:
         w.close()
+
+
+def test_a_load_moves_on_between_layers(
+    one_reader: tuple[WorkerHarness, list[int]],
+) -> None:
+    """A load of four reads: a read goes out only when the forward thread
+    polls, so a pass whose layers do not ask has its load wait after the
+    first read, however long the pass; asked before each layer's attention
+    (vLLM's ``wait_for_layer_load``), the reads go out one after another and
+    the load is done by the pass's end, its blocks exact."""
+    w, prompt = one_reader
+    expected = w.kv[:, 0:8].clone()
+    sched = make_scheduler(w.cache.config, [w.layout])
+    req = make_request("between-layers", prompt)
+    assert admit(sched, req) == 4 * CHUNK_SIZE
+    loads = w.cache.loads
+    # The reader answers only after the step's start: a poll takes every
+    # answer that is in, and a reader this fast could answer them all.
+    os.kill(w.pid("read"), signal.SIGSTOP)
+    try:
+        w.worker.start_load_kv(allocate(sched, req, list(range(20, 29))))
+    finally:
+        os.kill(w.pid("read"), signal.SIGCONT)
+    assert wait_until(lambda: all(r.reader.ready() for r in loads._in_flight))
+    time.sleep(0.2)
+    assert loads._jobs[req.request_id].next_segment == 1  # no read sent since
+
+    deadline = time.monotonic() + 30
+    while loads.loading(req.request_id):  # the layers of a pass
+        assert time.monotonic() < deadline, "the load never finished"
+        w.worker.between_layers()
+        time.sleep(0.001)
+    assert w.worker.get_finished(set()) == {req.request_id}
+    assert torch.equal(w.kv[:, 20:28], expected)
+    assert w.worker.take_load_errors() == set()
 
 
 def test_loads_are_judged_slow_only_when_a_step_starts_or_ends(
-    tmp_path: Path,
+    one_reader: tuple[WorkerHarness, list[int]],
 ) -> None:
     """A load priced so that any read makes it slower than computing: polled
     between layers only, it is never judged and loads whole (a load's first
-    answers are mostly a file's latency); polled as a step starts or ends,
-    it stops as slow (the rest is computed)."""
-    config = make_config(tmp_path, readers=1)
-    w = make_worker(config, make_layout())
+    answers are mostly a file's latency); polled as a step starts or ends
+    with its first answer in, it stops as slow (the rest is computed)."""
+    w, prompt = one_reader
+    digests = extend_digests([], prompt, BLOCK_SIZE)
+    loads, end = w.cache.loads, 4 * CHUNK_SIZE
+    stopped = w.cache.metrics.snapshot()["loads_stopped_slow"]
+    loads.start("mid-pass", digests, 0, end, range(20, 29), 1e-12)
+    deadline = time.monotonic() + 30
+    while loads.loading("mid-pass"):
+        assert time.monotonic() < deadline, "the load never finished"
+        w.worker.between_layers()
+        time.sleep(0.001)
+    assert loads.take_finished() == [("mid-pass", end, end)]
+    assert w.cache.metrics.snapshot()["loads_stopped_slow"] == stopped
+
+    # The reader answers one read between polls (a poll takes every answer
+    # that is in: a reader this fast could answer them all in one).
+    reader = w.pid("read")
+    os.kill(reader, signal.SIGSTOP)
     try:
-        prompt = fresh_tokens(4 * CHUNK_SIZE + 5)
-        save_prompt(config, w, prompt, list(range(0, 9)))
-        digests = extend_digests([], prompt, BLOCK_SIZE)
-        loads, end = w.cache.loads, 4 * CHUNK_SIZE
-        deadline = time.monotonic() + 30
-        for name, poll in [
-            ("mid-pass", w.worker.between_layers),
-            ("step", loads.poll),
-        ]:
-            before = w.cache.metrics.snapshot()["loads_stopped_slow"]
-            loads.start(name, digests, 0, end, range(20, 29), 1e-12)
-            while loads.loading(name):
-                assert time.monotonic() < deadline, "the load never finished"
-                poll()
-                time.sleep(0.001)
-            (finished,) = loads.take_finished()
-            stopped = w.cache.metrics.snapshot()["loads_stopped_slow"] - before
-            if name == "mid-pass":
-                assert finished == (name, end, end) and stopped == 0
-            else:
-                assert finished[1] < end and stopped == 1
+        loads.start("step", digests, 0, end, range(40, 49), 1e-12)
+        loads.poll()  # the first read goes out
+        os.kill(reader, signal.SIGCONT)
+        assert wait_until(lambda: all(r.reader.ready() for r in loads._in_flight))
+        os.kill(reader, signal.SIGSTOP)
+        loads.poll()  # its answer is in, the next read out: judged
     finally:
-        w.close()
+        os.kill(reader, signal.SIGCONT)
+    ((name, loaded, promised),) = loads.take_finished()
+    assert (name, promised) == ("step", end) and loaded < end
+    assert w.cache.metrics.snapshot()["loads_stopped_slow"] == stopped + 1
