@@ -28,6 +28,8 @@ ENV_PREFIX = "VINEYARD_CACHE_"
 GiB = 1 << 30
 #: Most VINEYARD_CACHE_TTL_S may be (also in a root's own settings file).
 MAX_TTL_S = 1e9
+#: Most read-ahead buffers a worker may be given (the setting's maximum).
+READ_AHEAD_BUFFERS_MAX = 64
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -242,7 +244,7 @@ class VineyardLLMCacheConfig:
         "hits of queued requests, read while they wait so that their loads "
         "finish in the step that starts them; more (up to 64) where these "
         "hold less than 16 MiB. 0: no read-ahead.",
-        _number(int, 0, True, 64),
+        _number(int, 0, True, READ_AHEAD_BUFFERS_MAX),
     )
     lookup_timeout_s: float = _setting(
         "2",

@@ -19,6 +19,7 @@ from tests.worker.vineyard_cache_testing import (
     make_tokens,
     same_bits,
 )
+from vllm.worker.vineyard.config import READ_AHEAD_BUFFERS_MAX
 from vllm.worker.vineyard.transfer import read_ahead
 from vllm.worker.vineyard.transfer.loads import LoadPipeline
 
@@ -189,7 +190,7 @@ def test_a_read_ahead_of_other_chunks_is_dropped_and_the_load_is_whole(
         (4, 3 << 20, 6),  # rounded up
         (4, 8 << 20, 4),  # large buffers: the setting's count
         (20, 1 << 20, 20),  # never fewer than the setting
-        (4, 1 << 10, read_ahead.MAX_BUFFERS),  # never more than the most
+        (4, 1 << 10, READ_AHEAD_BUFFERS_MAX),  # never more than the most
     ],
 )
 def test_read_ahead_holds_at_least_the_floor_in_bytes(

@@ -213,7 +213,7 @@ def slow_loads(
             unanswered.setdefault(id(read.job), read)
     return [
         job
-        for job in list(jobs)
+        for job in jobs
         if not job.finished
         and job.last > job.loaded
         and job.runs_slow(unanswered.get(id(job)), now, bs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from vllm.worker.vineyard.config import READ_AHEAD_BUFFERS_MAX
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.transfer.load_jobs import LoadJob, SegmentRead, segments_of
 
@@ -17,9 +18,9 @@ from vllm.worker.vineyard.transfer.load_jobs import LoadJob, SegmentRead, segmen
 READ_S = 0.1
 #: Least memory the read-ahead buffers of a worker hold in all: a small
 #: model's quarter-step buffers would otherwise hold a few hundred tokens,
-#: less than one queued hit. Never more buffers than the setting allows.
+#: less than one queued hit. Never more buffers than the setting allows
+#: (:data:`~vllm.worker.vineyard.config.READ_AHEAD_BUFFERS_MAX`).
 MIN_BYTES = 16 << 20
-MAX_BUFFERS = 64
 
 
 def read_ahead_buffers(setting: int, buffer_bytes: int) -> int:
@@ -27,7 +28,7 @@ def read_ahead_buffers(setting: int, buffer_bytes: int) -> int:
     more where that holds less than :data:`MIN_BYTES`."""
     if setting == 0:
         return 0
-    return max(setting, min(MAX_BUFFERS, -(-MIN_BYTES // buffer_bytes)))
+    return max(setting, min(READ_AHEAD_BUFFERS_MAX, -(-MIN_BYTES // buffer_bytes)))
 
 
 class ReadAheadJobs:
