@@ -242,8 +242,9 @@ class VineyardLLMCacheConfig:
         "4",
         "Read buffers per worker (a quarter of a step's KV each) for the "
         "hits of queued requests, read while they wait so that their loads "
-        "finish in the step that starts them; more (up to 64) where these "
-        "hold less than 16 MiB. 0: no read-ahead.",
+        "finish in the step that starts them; more (up to "
+        f"{READ_AHEAD_BUFFERS_MAX}) where these hold less than 16 MiB. "
+        "0: no read-ahead.",
         _number(int, 0, True, READ_AHEAD_BUFFERS_MAX),
     )
     lookup_timeout_s: float = _setting(
