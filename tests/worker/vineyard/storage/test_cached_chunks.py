@@ -2,11 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The lookup's count of leading chunks on disk, one ``stat`` at a time on
 a local disk and all at once on a root a round trip away
-(:func:`count_complete_chunks`); and the link probe's timed reads: whole
-chunk files of a prefix, in order, up to a byte budget, stopping at the
-first missing or empty (placeholder) file (:func:`time_chunk_reads`); or,
-at an engine's start, whichever chunk files the namespace lists, in either
-layout (:func:`time_any_chunk_reads`)."""
+(:func:`count_complete_chunks`)."""
 
 from __future__ import annotations
 
@@ -18,11 +14,7 @@ import pytest
 
 from tests.script_testing import mount_slow_fs
 from vllm.worker.vineyard.storage import far_calls
-from vllm.worker.vineyard.storage.cached_chunks import (
-    count_complete_chunks,
-    time_any_chunk_reads,
-    time_chunk_reads,
-)
+from vllm.worker.vineyard.storage.cached_chunks import count_complete_chunks
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 
 BPC = 2  # blocks per chunk
@@ -87,81 +79,5 @@ def test_a_far_lookup_stats_at_once(
         files = ChunkFiles(str(fs.mount / "ns"), BPC, ENTRY)
         write_chunks(files, MANY_IDS, on_disk)
         assert count_complete_chunks(files, MANY_IDS, 48) == (found, stats)
-    finally:
-        fs.close()
-
-
-@pytest.mark.parametrize(
-    ("max_chunks", "max_bytes", "blocks"),
-    [
-        (6, 1 << 30, 4 * BPC),  # stops at the placeholder
-        (2, 1 << 30, 2 * BPC),  # at most max_chunks
-        (6, 1, BPC),  # the budget: one whole file, then stop
-        (0, 1 << 30, 0),
-    ],
-)
-def test_reads_whole_files_in_order(
-    files: ChunkFiles, max_chunks: int, max_bytes: int, blocks: int
-) -> None:
-    read, seconds = time_chunk_reads(files, IDS, max_chunks, max_bytes)
-    assert read == blocks
-    assert seconds >= 0.0
-
-
-def test_a_missing_first_chunk_reads_nothing(tmp_path: Path) -> None:
-    files = ChunkFiles(str(tmp_path), BPC, ENTRY)
-    assert time_chunk_reads(files, IDS, 6, 1 << 30)[0] == 0
-
-
-@pytest.mark.parametrize("flat", [True, False])
-@pytest.mark.parametrize(
-    ("max_chunks", "max_bytes", "blocks"),
-    [
-        (16, 1 << 30, 4 * BPC),  # every chunk, not the placeholder
-        (3, 1 << 30, 3 * BPC),
-        (16, 1, BPC),
-    ],
-)
-def test_any_chunk_files_are_read(
-    tmp_path: Path, flat: bool, max_chunks: int, max_bytes: int, blocks: int
-) -> None:
-    files = ChunkFiles(str(tmp_path / "ns"), BPC, ENTRY, flat=flat)
-    for k in range(5):  # four chunks and a placeholder
-        ids = IDS[: (k + 1) * BPC]
-        path = Path(files.path(ids))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"\0" * files.file_bytes(len(ids)) if k < 4 else b"")
-    # Not chunk files: skipped unread.
-    (tmp_path / "ns" / "notes.txt").write_bytes(b"x" * 100)
-    (tmp_path / "ns" / "abcdefgh").write_bytes(b"x" * 100)  # not hex
-    read, seconds = time_any_chunk_reads(files, max_chunks, max_bytes)
-    assert read == blocks
-    assert seconds > 0.0
-
-
-def test_a_namespace_without_chunks_reads_nothing(tmp_path: Path) -> None:
-    missing = ChunkFiles(str(tmp_path / "missing"), BPC, ENTRY)
-    assert time_any_chunk_reads(missing, 16, 1 << 30) == (0, 0.0)
-    (tmp_path / "empty").mkdir()
-    empty = ChunkFiles(str(tmp_path / "empty"), BPC, ENTRY, flat=False)
-    assert time_any_chunk_reads(empty, 16, 1 << 30) == (0, 0.0)
-
-
-def test_any_chunk_files_are_read_through_a_thin_link(tmp_path: Path) -> None:
-    """On the benchmark's FUSE root behind a read link (as far-root tests
-    and benchmarks run it), the namespace lists and the reads pay the link."""
-    fs = mount_slow_fs(tmp_path / "fs", read_mbps=8.0, direct_io=True)
-    try:
-        files = ChunkFiles(str(fs.mount / "ns"), BPC, ENTRY)
-        os.makedirs(files.namespace_dir)
-        size = 0
-        for k in range(4):
-            ids = IDS[: (k + 1) * BPC]
-            data = b"\0" * files.file_bytes(len(ids))
-            Path(files.path(ids)).write_bytes(data)
-            size += len(data)
-        read, seconds = time_any_chunk_reads(files, 16, 1 << 30)
-        assert read == 4 * BPC
-        assert seconds >= 0.8 * size / 8e6
     finally:
         fs.close()

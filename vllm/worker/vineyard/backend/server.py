@@ -47,11 +47,13 @@ from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.cached_chunks import (
     count_cached_chunks,
-    time_any_chunk_reads,
-    time_chunk_reads,
 )
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
+from vllm.worker.vineyard.storage.timed_reads import (
+    time_any_chunk_reads,
+    time_chunk_reads,
+)
 
 logger = logging.getLogger(__name__)
 

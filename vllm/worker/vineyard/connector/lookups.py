@@ -29,12 +29,14 @@ from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.cached_chunks import (
     count_cached_chunks,
-    time_any_chunk_reads,
-    time_chunk_reads,
 )
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
+from vllm.worker.vineyard.storage.timed_reads import (
+    time_any_chunk_reads,
+    time_chunk_reads,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,6 @@ away the ``stat`` calls go out together
 so that a lookup costs a few round trips, not one per chunk. Where a
 lookup stops at a damaged chunk file it removes it, so that the next save
 writes it again.
-And timed reads, the link's price measured off any request: of a prefix's
-first chunk files (:func:`time_chunk_reads`), or of whichever chunk files
-the namespace lists first (:func:`time_any_chunk_reads`: an engine's start,
-before it knows any prefix).
 
 Imports neither vLLM nor torch (the backend processes run it).
 """
@@ -21,18 +17,12 @@ from __future__ import annotations
 import itertools
 import os
 import stat
-import string
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.far_calls import calls_at_once_when_far
 from vllm.worker.vineyard.storage.removal import remove_file
-from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
-
-#: Bytes read per ``pread`` of a timed read.
-_READ_PIECE = 1 << 20
 
 
 def count_cached_chunks(
@@ -127,96 +117,3 @@ def _remove_if_damaged(
             files.file_bytes(len(ids)),
             path,
         )
-
-
-def time_chunk_reads(
-    files: ChunkFiles, ids: list[int], max_chunks: int, max_bytes: int
-) -> tuple[int, float]:
-    """Read the leading chunk files of ``ids`` whole (at most ``max_chunks``,
-    and no more once ``max_bytes`` are read), as a load reads them:
-    ``(blocks read, seconds)``. Stops at a file that is missing or cannot be
-    read (what was read still counts); no bytes are kept or checked."""
-    bpc = files.blocks_per_chunk
-    paths = (files.path(ids[: (k + 1) * bpc]) for k in range(len(ids) // bpc))
-    return _time_reads(files, paths, max_chunks, max_bytes, stop_at_miss=True)
-
-
-def time_any_chunk_reads(
-    files: ChunkFiles, max_chunks: int, max_bytes: int
-) -> tuple[int, float]:
-    """:func:`time_chunk_reads` of the chunk files the namespace lists first
-    (skipping any that cannot be read); ``(0, 0.0)`` if it has none. Only
-    the reads are timed, not the listing (a load lists nothing)."""
-    try:
-        return _time_reads(files, _listed_chunks(files), max_chunks, max_bytes)
-    except OSError:
-        return 0, 0.0  # no namespace folder yet, or it cannot be listed
-
-
-def _time_reads(
-    files: ChunkFiles,
-    paths: Iterator[str],
-    max_chunks: int,
-    max_bytes: int,
-    stop_at_miss: bool = False,
-) -> tuple[int, float]:
-    blocks = done = files_read = 0
-    seconds = 0.0
-    while files_read < max_chunks and done < max_bytes:
-        path = next(paths, None)
-        if path is None:
-            break
-        start = time.perf_counter()
-        size = _read_whole(path)
-        seconds += time.perf_counter() - start
-        if size:
-            files_read += 1
-            blocks, done = blocks + files.blocks_per_chunk, done + size
-        elif stop_at_miss:
-            break  # missing, unreadable, or vineyard's empty placeholder
-    return blocks, seconds
-
-
-def _read_whole(path: str) -> int:
-    """The bytes of the file at ``path``, read whole and dropped; 0 if it
-    cannot be opened or read."""
-    try:
-        fd = os.open(path, OPEN_FILE)
-    except OSError:
-        return 0
-    offset = 0
-    try:
-        while piece := os.pread(fd, _READ_PIECE, offset):
-            offset += len(piece)
-    except OSError:
-        return 0
-    finally:
-        os.close(fd)
-    return offset
-
-
-def _listed_chunks(files: ChunkFiles) -> Iterator[str]:
-    """The namespace's chunk file paths in directory order, listed lazily
-    (a probe reads a few: a large folder on a far root is not listed
-    whole)."""
-    # Flat: the files right there; else 3 folders deep, 2 hex digits each.
-    depth = 0 if files.flat else 3
-    yield from _walk(files.namespace_dir, depth, files.hash_chunk_size)
-
-
-def _walk(folder: str, depth: int, digits: int) -> Iterator[str]:
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if not _is_hex(entry.name, digits):
-                continue
-            if depth == 0:
-                yield entry.path
-                continue
-            try:
-                yield from _walk(entry.path, depth - 1, digits)
-            except OSError:
-                continue  # not a folder, or gone
-
-
-def _is_hex(name: str, digits: int) -> bool:
-    return len(name) == digits and all(c in string.hexdigits for c in name)
