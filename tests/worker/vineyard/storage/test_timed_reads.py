@@ -46,18 +46,27 @@ def files(tmp_path: Path) -> ChunkFiles:
     return files
 
 
+@pytest.fixture(autouse=True)
+def two_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two files at a time (and at least two read), so that a budget of
+    fewer files than the fixture's four shows."""
+    monkeypatch.setattr(timed_reads, "READS_AT_ONCE", 2)
+
+
 @pytest.mark.parametrize(
-    ("max_chunks", "max_bytes", "blocks"),
+    ("max_chunks", "budget_files", "blocks"),
     [
-        (6, 1 << 30, 4 * BPC),  # stops at the placeholder
-        (2, 1 << 30, 2 * BPC),  # at most max_chunks
-        (6, 1, BPC),  # the budget: one whole file, then stop
-        (0, 1 << 30, 0),
+        (6, 100, 4 * BPC),  # stops at the placeholder
+        (2, 100, 2 * BPC),  # at most max_chunks
+        (6, 3, 3 * BPC),  # the budget, in whole files
+        (6, 0, 2 * BPC),  # however small the budget: READS_AT_ONCE files
+        (0, 100, 0),
     ],
 )
 def test_reads_whole_files_in_order(
-    files: ChunkFiles, max_chunks: int, max_bytes: int, blocks: int
+    files: ChunkFiles, max_chunks: int, budget_files: int, blocks: int
 ) -> None:
+    max_bytes = max(1, budget_files * files.file_bytes(BPC))
     read, seconds = time_chunk_reads(files, IDS, max_chunks, max_bytes)
     assert read == blocks
     assert seconds >= 0.0
@@ -74,7 +83,7 @@ def test_a_missing_first_chunk_reads_nothing(tmp_path: Path) -> None:
     [
         (16, 1 << 30, 4 * BPC),  # every chunk, not the placeholder
         (3, 1 << 30, 3 * BPC),
-        (16, 1, BPC),
+        (16, 1, 2 * BPC),  # READS_AT_ONCE files
     ],
 )
 def test_any_chunk_files_are_read(

@@ -26,9 +26,8 @@ from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 logger = init_logger(__name__)
 
 #: A probe reads whole chunk files up to about this many bytes: enough for
-#: a link's bandwidth to show over its round trips, and for several files
-#: to be read at once, as a load's are (a 1 MiB block a file, four).
-PROBE_BYTES = 4 << 20
+#: a link's bandwidth to show over its round trips.
+PROBE_BYTES = 1 << 20
 #: ... and at most this many chunk files.
 PROBE_CHUNKS = 16
 

@@ -5,11 +5,12 @@ first chunk files (:func:`time_chunk_reads`), or of whichever chunk files
 the namespace lists first (:func:`time_any_chunk_reads`: an engine's start,
 before it knows any prefix).
 
-The files are read :data:`READS_AT_ONCE` at a time, as a load's reads
-overlap: read one at a time, each file's round trips leave the link idle,
-and the price is the latency's, not the link's (behind a 256 MB/s FUSE
-link, 1.4x of the link's time for 1 MiB files and 4.2x for 64 KiB ones,
-one at a time; 1.1x and 1.5x four at a time; a load of 1 MiB files 1.1x).
+The files are read :data:`READS_AT_ONCE` at a time, as a load's are
+(vineyard reads a load's chunk files on a thread per core): read one at a
+time, each file's round trips leave the link idle, and the price is the
+latency's, not what loads pay (behind a 256 MB/s FUSE link, one 4 MiB
+file at a time 1.3-1.5x of the link's time, 64 KiB files 4.2x; loads of
+4 MiB files 1.1x).
 
 Imports neither vLLM nor torch (the backend processes run it).
 """
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.safe_io import OPEN_FILE
 
-#: Files read at once.
+#: Files read at once, and the fewest a probe reads where a prefix has them.
 READS_AT_ONCE = 4
 #: Bytes read per ``pread``.
 _READ_PIECE = 1 << 20
@@ -37,11 +38,12 @@ _LISTED_PER_READ = 4
 def time_chunk_reads(
     files: ChunkFiles, ids: list[int], max_chunks: int, max_bytes: int
 ) -> tuple[int, float]:
-    """Read the leading chunk files of ``ids`` whole (at most ``max_chunks``,
-    and about ``max_bytes``: whole files, as many as the first chunk's size
-    fits, at least one), as a load reads them: ``(blocks read, seconds)``.
-    Counts the files before the first one that is missing or cannot be read,
-    and the time until they were read; no bytes are kept or checked."""
+    """Read the leading chunk files of ``ids`` whole (at most ``max_chunks``;
+    :data:`READS_AT_ONCE` at least, and more up to about ``max_bytes``, by
+    the first chunk's size), as a load reads them: ``(blocks read,
+    seconds)``. Counts the files before the first one that is missing or
+    cannot be read, and the time until they were read; no bytes are kept
+    or checked."""
     bpc = files.blocks_per_chunk
     most = _files_to_read(files, max_chunks, max_bytes)
     paths = [files.path(ids[: (k + 1) * bpc]) for k in range(len(ids) // bpc)]
@@ -64,7 +66,7 @@ def time_any_chunk_reads(
 
 def _files_to_read(files: ChunkFiles, max_chunks: int, max_bytes: int) -> int:
     first = files.file_bytes(files.blocks_per_chunk)
-    return max(0, min(max_chunks, max(1, -(-max_bytes // first))))
+    return max(0, min(max_chunks, max(READS_AT_ONCE, -(-max_bytes // first))))
 
 
 def _time_reads(
