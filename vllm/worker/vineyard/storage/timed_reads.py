@@ -98,7 +98,8 @@ def _time_reads(
 
     start = time.perf_counter()
     threads = [
-        threading.Thread(target=reader, name="vineyard-cache-timed-read")
+        # Daemons: a read hung in the root holds no exit of this process.
+        threading.Thread(target=reader, name="vineyard-cache-timed-read", daemon=True)
         for _ in range(min(READS_AT_ONCE, most, len(paths)))
     ]
     for thread in threads:
