@@ -45,9 +45,7 @@ from vllm.worker.vineyard.backend.protocol import (
 from vllm.worker.vineyard.backend.vineyard_server import VineyardServer
 from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
-from vllm.worker.vineyard.storage.cached_chunks import (
-    count_cached_chunks,
-)
+from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
 from vllm.worker.vineyard.storage.timed_reads import (

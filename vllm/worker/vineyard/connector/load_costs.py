@@ -21,9 +21,8 @@ computing it, by :data:`MARGIN`; otherwise it is computed (counted
 ``tokens_not_loaded_slow``). Estimates follow changes both ways: a slower
 link shows in the next loads; a link found too slow gets no loads, so the
 link is priced again by a probe, 1 s later, then twice as long after each
-that finds it slow, up to every :data:`PROBE_INTERVAL_S` (and no more often
-than its probes keep within :data:`PROBE_LINK_SHARE` of the link's time):
-a timed read of a hit's first chunk files off the requests
+that finds it slow, up to every :data:`PROBE_INTERVAL_S`: a timed read of a
+hit's first chunk files off the requests
 (:class:`~.link_probes.LinkProbes`; that hit is computed meanwhile), whose
 price replaces the old ones. Without probes (lookups in process) the hit
 itself is loaded as the probe (the workers stop any load that runs slower
@@ -64,9 +63,6 @@ MARGIN = 1.25
 #: :data:`PROBE_INTERVAL_S` (one probe's price can be a busy moment's).
 FIRST_PROBE_INTERVAL_S = 1.0
 PROBE_INTERVAL_S = 5.0
-#: A slow link's probes take at most this share of its time (a probe reads
-#: at least four chunk files: on a link of a few MB/s, a second or more).
-PROBE_LINK_SHARE = 0.05
 #: Loads whose median prices a block (a change shows within half of them).
 LOAD_SAMPLES = 5
 #: Weight of the newest step in the price of a token (a few steps dominate).
@@ -172,7 +168,6 @@ class LoadCosts:
         self._last_load_at = -float("inf")
         self._last_probe_at = -float("inf")
         self._probe_interval = FIRST_PROBE_INTERVAL_S
-        self._last_probe_s = 0.0  # how long the last timed read took
         self._hit_probe = False  # the probe running was started at a hit
         self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
         self._loading = True  # the decision last logged
@@ -228,7 +223,6 @@ class LoadCosts:
         are computed)."""
         for blocks, seconds in self.probes.take_results() if self.probes else ():
             self._probing = True
-            self._last_probe_s = seconds
             self.observe_load(blocks, seconds)
 
     def step_scheduled(self, num_tokens: int) -> None:
@@ -300,8 +294,7 @@ class LoadCosts:
 
     def _probe_due(self) -> bool:
         since = max(self._last_load_at, self._last_probe_at)
-        interval = max(self._probe_interval, self._last_probe_s / PROBE_LINK_SHARE)
-        return self._clock() - since >= interval
+        return self._clock() - since >= self._probe_interval
 
     def _probing_a_hit(self) -> bool:
         """A probe started at a hit runs: the link was found slow (or is not

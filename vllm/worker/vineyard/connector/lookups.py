@@ -27,9 +27,7 @@ from vllm.worker.vineyard.backend.protocol import (
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
-from vllm.worker.vineyard.storage.cached_chunks import (
-    count_cached_chunks,
-)
+from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
 from vllm.worker.vineyard.storage.digests import synthetic_ids
 from vllm.worker.vineyard.storage.layout import KVCacheLayout
 from vllm.worker.vineyard.storage.removal import remove_namespace_chunks
