@@ -32,6 +32,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 )
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector import load_costs
+from vllm.worker.vineyard.connector import lookups as lookups_module
 from vllm.worker.vineyard.connector.load_costs import (
     FIRST_PROBE_INTERVAL_S,
     MARGIN,
@@ -548,9 +549,10 @@ def test_a_load_slower_than_computing_stops(tmp_path: Path) -> None:
 def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
     tmp_path: Path,
 ) -> None:
-    """Computing is known to win, so a request does not wait for its
-    lookup; once the lookup is in (here a step later), its saves go on past
-    the chunks found (they are cached already), on the worker too."""
+    """Computing is known to win, so a request whose lookup is not in
+    after the step's share of waiting is computed at once; once the lookup
+    is in (here a step later), its saves go on past the chunks found (they
+    are cached already), on the worker too."""
     config = create_vllm_config(
         make_model_dir(tmp_path / "model"),
         tmp_path / "root",
@@ -576,11 +578,11 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
         assert lookups is not None
         ask = lookups.lookup
 
-        def not_in_yet(req_id: str, *args: Any, **kwargs: Any) -> Any:
-            assert kwargs.get("wait") is False  # computing: not waited for
-            return None if req_id == "late" else ask(req_id, *args, **kwargs)
-
         peek, peeked = lookups.peek, []
+
+        def not_in_yet(req_id: str, *args: Any) -> Any:
+            late = req_id == "late" and "late" not in peeked
+            return None if late else ask(req_id, *args)
 
         def in_after_one_step(req_id: str) -> Any:
             peeked.append(req_id)
@@ -598,6 +600,7 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
             save_from += [d.save_from for d in meta.requests if d.req_id == "late"]
         # Its first step (a budget's tokens) saved from 0, the rest from HIT.
         assert save_from[0] == 0 and set(save_from[1:]) == {HIT}
+        assert engine.counter("tokens_not_loaded_slow") == HIT  # counted late
         # Written: the first step's tokens (unless that update was skipped,
         # as on a busy machine: they are cached anyway), then the rest.
         budget = MAX_NUM_BATCHED_TOKENS
@@ -606,6 +609,58 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
         assert written in (2 * HIT, budget + 2 * HIT), {
             k: v for k, v in counts.items() if k.startswith(("updates_", "backend_"))
         }
+    finally:
+        engine.close()
+        worker.close()
+
+
+def test_a_hit_computed_for_speed_waits_for_its_lookup_within_the_steps_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit computed for speed still waits for its lookup within the
+    step's share: its first step saves only past the chunks found, so the
+    step copies no KV that is cached already."""
+    monkeypatch.setattr(lookups_module, "STEP_WAIT_S", 30.0)  # covers the delay
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+
+    def tokens_written() -> int:
+        worker.wait_for_writes()
+        return worker.cache.metrics.snapshot()["tokens_written"]
+
+    try:
+        costs = connector_costs(engine, FakeClock(), 1e-4)
+        prefix = fresh_tokens(HIT)
+        assert first_scheduled(engine, "saved", prefix + fresh_tokens(1)) == 0
+        assert tokens_written() == HIT
+        feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
+        connector = engine.scheduler.connector
+        assert isinstance(connector, VineyardConnector)
+        lookups = connector._scheduler._lookup  # type: ignore[union-attr]
+        assert lookups is not None
+        find = lookups._lookup.find
+
+        def slow_find(*args: Any) -> Any:
+            time.sleep(0.2)  # answered after the step asked
+            return find(*args)
+
+        lookups._lookup.find = slow_find  # type: ignore[method-assign]
+        request = engine.add(create_request("computed", prefix + fresh_tokens(HIT)))
+        record = engine.run_until(lambda r: r.num_scheduled(request.request_id) > 0)
+        new = record.new_request(request.request_id)
+        assert new is not None and new.num_computed_tokens == 0
+        meta = record.scheduler_output.kv_connector_metadata
+        assert isinstance(meta, VineyardConnectorMetadata)
+        assert [d.save_from for d in meta.requests if d.req_id == "computed"] == [HIT]
+        engine.drain()
+        assert engine.counter("tokens_not_loaded_slow") == HIT
+        assert tokens_written() == 2 * HIT  # only the chunks after the hit
     finally:
         engine.close()
         worker.close()

@@ -429,13 +429,12 @@ class BackgroundLookups:
         digests: Sequence[bytes],
         num_local_tokens: int,
         num_tokens: int,
-        wait: bool = True,
     ) -> tuple[int, int] | None:
         """``(num_hit_tokens, save_from)`` of the request's lookup (see
         :meth:`VineyardCacheLookup.lookup`), or ``None`` while pending
-        (after the step's share of waiting, if ``wait``)."""
+        after the step's share of waiting."""
         job = self.start(req_id, digests, num_tokens)
-        if wait and not job.done.is_set() and self._wait_left > 0:
+        if not job.done.is_set() and self._wait_left > 0:
             start = time.monotonic()
             job.done.wait(self._wait_left)
             self._wait_left -= time.monotonic() - start

@@ -47,10 +47,7 @@ from vllm.worker.vineyard.connector.metadata import (
 )
 from vllm.worker.vineyard.connector.read_aheads import ReadAheads
 from vllm.worker.vineyard.connector.removals import ResetRemovals
-from vllm.worker.vineyard.connector.request_keys import (
-    request_keys,
-    request_options,
-)
+from vllm.worker.vineyard.connector.request_keys import request_keys, request_options
 from vllm.worker.vineyard.connector.request_state import (
     NEVER,
     RequestState,
@@ -58,10 +55,7 @@ from vllm.worker.vineyard.connector.request_state import (
     leading_freed_blocks,
     new_block_ids,
 )
-from vllm.worker.vineyard.connector.weight_identity import (
-    AdapterIdentities,
-    Pending,
-)
+from vllm.worker.vineyard.connector.weight_identity import AdapterIdentities, Pending
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
 if TYPE_CHECKING:
@@ -179,15 +173,14 @@ class VineyardConnectorScheduler:
             return 0, False
         assert self._lookup is not None
         digests = state.digests_up_to(request.num_tokens, self.block_size)
-        # Computing known to win: its lookup (where saves start) is not
-        # waited for, only used if it is in.
+        # Computing known to win: it waits for its lookup only within the
+        # step's share (the lookup says where its saves start: a save of
+        # chunks already cached costs the step a copy of their KV).
         computing = state.computed_for_speed or (
             state.computed_for_speed is None and not self._costs.loads_may_win()
         )
         req_id, num_tokens = request.request_id, request.num_tokens
-        found = self._lookup.lookup(
-            req_id, digests, num_computed_tokens, num_tokens, wait=not computing
-        )
+        found = self._lookup.lookup(req_id, digests, num_computed_tokens, num_tokens)
         if found is None and not computing:
             return None, False  # ask again next step
         if found is None:  # saves start from the first chunk, until it is in
@@ -379,11 +372,8 @@ class VineyardConnectorScheduler:
                 self._forwarding.append(state)
             if state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
-            found = lookups.peek(req_id) if state.late_lookup else None
-            if found is not None:  # its lookup, not waited for, is in now
-                lookups.forget(req_id)
-                state.found_late(found[1])
-                self._announce(state)
+            if state.late_lookup and lookups.peek(req_id) is not None:
+                self._late_lookup_in(state, lookups)
             num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
             replace = replace or state.blocks_replaced
@@ -407,6 +397,18 @@ class VineyardConnectorScheduler:
             )
             state.blocks_replaced = False
         return deltas
+
+    def _late_lookup_in(self, state: RequestState, lookups: BackgroundLookups) -> None:
+        """Computed before its lookup was in: its hit counted, saves past it."""
+        request = state.request
+        digests = state.digests_up_to(request.num_tokens, self.block_size)
+        found = lookups.lookup(
+            request.request_id, digests, state.num_local_tokens, request.num_tokens
+        )
+        if found is not None:  # None: its prompt grew since (a new lookup)
+            self._costs.declined(found[0])
+            state.found_late(found[1])
+            self._announce(state)
 
     def _load_deltas(self) -> list[RequestDelta]:
         """Requests allocated this step and waiting for their KV: the
