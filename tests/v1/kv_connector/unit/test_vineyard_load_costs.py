@@ -32,9 +32,9 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 )
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector import load_costs
-from vllm.worker.vineyard.connector import lookups as lookups_module
 from vllm.worker.vineyard.connector.load_costs import (
     FIRST_PROBE_INTERVAL_S,
+    LOOKUP_WAIT_SHARE,
     MARGIN,
     MAX_FIXED_SHARE,
     MIN_STEP_TOKENS,
@@ -614,13 +614,13 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
         worker.close()
 
 
-def test_a_hit_computed_for_speed_waits_for_its_lookup_within_the_steps_share(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("lookup_s", [0.0, 0.2])
+def test_a_hit_computed_for_speed_waits_a_share_of_computing_for_its_lookup(
+    tmp_path: Path, lookup_s: float
 ) -> None:
-    """A hit computed for speed still waits for its lookup within the
-    step's share: its first step saves only past the chunks found, so the
-    step copies no KV that is cached already."""
-    monkeypatch.setattr(lookups_module, "STEP_WAIT_S", 30.0)  # covers the delay
+    """A hit computed for speed waits for its lookup (here up to 3% of
+    26 s): its first step saves only past the chunks found, so the step
+    copies no KV that is cached already."""
     config = create_vllm_config(
         make_model_dir(tmp_path / "model"),
         tmp_path / "root",
@@ -635,11 +635,12 @@ def test_a_hit_computed_for_speed_waits_for_its_lookup_within_the_steps_share(
         return worker.cache.metrics.snapshot()["tokens_written"]
 
     try:
-        costs = connector_costs(engine, FakeClock(), 1e-4)
+        costs = connector_costs(engine, FakeClock(), 0.1)
         prefix = fresh_tokens(HIT)
         assert first_scheduled(engine, "saved", prefix + fresh_tokens(1)) == 0
         assert tokens_written() == HIT
         feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
+        assert costs.lookup_wait_s(2 * HIT) == pytest.approx(LOOKUP_WAIT_SHARE * 25.6)
         connector = engine.scheduler.connector
         assert isinstance(connector, VineyardConnector)
         lookups = connector._scheduler._lookup  # type: ignore[union-attr]
@@ -647,7 +648,7 @@ def test_a_hit_computed_for_speed_waits_for_its_lookup_within_the_steps_share(
         find = lookups._lookup.find
 
         def slow_find(*args: Any) -> Any:
-            time.sleep(0.2)  # answered after the step asked
+            time.sleep(lookup_s)  # 0.2: past the step's share of waiting
             return find(*args)
 
         lookups._lookup.find = slow_find  # type: ignore[method-assign]

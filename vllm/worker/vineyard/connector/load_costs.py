@@ -79,6 +79,10 @@ MAX_STEPS_IN_FLIGHT = 2
 #: room to spare (its reads start after the step does, on a busy machine,
 #: and a step is priced without its fixed cost).
 READ_AHEAD_STEP_SHARE = 0.5
+#: A prompt computed for speed waits for its lookup (which says where its
+#: saves start) at most this share of computing it: a save of chunks cached
+#: already costs a copy of their KV, a few percent of computing them.
+LOOKUP_WAIT_SHARE = 0.03
 #: The engine's start waits this long at most for its link probe (a hung
 #: root delays the start by no more).
 START_PROBE_WAIT_S = 3.0
@@ -266,6 +270,12 @@ class LoadCosts:
         """The expected time to compute a prompt's ``tokens``."""
         per_token = self._steps.per_token(tokens)
         return None if per_token is None else per_token * tokens
+
+    def lookup_wait_s(self, tokens: int) -> float:
+        """How long a prompt of ``tokens`` computed for speed may wait for
+        its lookup: :data:`LOOKUP_WAIT_SHARE` of computing them."""
+        compute_s = self.compute_s(tokens)
+        return 0.0 if compute_s is None else LOOKUP_WAIT_SHARE * compute_s
 
     def worth_reading_ahead(self, hit_tokens: int, step_tokens: int) -> bool:
         """Whether loading ``hit_tokens`` is expected to take more than

@@ -173,15 +173,16 @@ class VineyardConnectorScheduler:
             return 0, False
         assert self._lookup is not None
         digests = state.digests_up_to(request.num_tokens, self.block_size)
-        # Computing known to win: it waits for its lookup only within the
-        # step's share (the lookup says where its saves start: a save of
-        # chunks already cached costs the step a copy of their KV).
+        # Computing known to win: it waits for its lookup (where its saves
+        # start) only a share of computing it.
         computing = state.computed_for_speed or (
             state.computed_for_speed is None and not self._costs.loads_may_win()
         )
         req_id, num_tokens = request.request_id, request.num_tokens
         found = self._lookup.lookup(req_id, digests, num_computed_tokens, num_tokens)
-        if found is None and not computing:
+        waited_s = time.monotonic() - state.asked_at
+        wait_s = self._costs.lookup_wait_s(num_tokens - num_computed_tokens)
+        if found is None and (not computing or waited_s < wait_s):
             return None, False  # ask again next step
         if found is None:  # saves start from the first chunk, until it is in
             state.late_lookup, found = True, (0, 0)
