@@ -9,11 +9,14 @@ boundary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     LoadCosts,
     RememberedCosts,
 )
+from vllm.worker.vineyard.connector.lookups import BackgroundLookups
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
@@ -546,13 +550,26 @@ def test_a_load_slower_than_computing_stops(tmp_path: Path) -> None:
         worker.close()
 
 
-def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
-    tmp_path: Path,
-) -> None:
-    """Computing is known to win, so a request whose lookup is not in
-    after the step's share of waiting is computed at once; once the lookup
-    is in (here a step later), its saves go on past the chunks found (they
-    are cached already), on the worker too."""
+@dataclass
+class SavedPrefix:
+    """A prefix of ``HIT`` tokens saved to the root, behind a link far too
+    slow to load it (hits of it are computed for speed)."""
+
+    engine: Engine
+    worker: FakeWorker
+    costs: LoadCosts
+    lookups: BackgroundLookups
+    tokens: list[int]
+
+    def tokens_written(self) -> int:
+        self.worker.wait_for_writes()
+        return self.worker.cache.metrics.snapshot()["tokens_written"]
+
+
+@contextlib.contextmanager
+def a_saved_prefix_behind_a_slow_link(
+    tmp_path: Path, compute_s_per_token: float
+) -> Iterator[SavedPrefix]:
     config = create_vllm_config(
         make_model_dir(tmp_path / "model"),
         tmp_path / "root",
@@ -561,23 +578,32 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
     )
     worker = FakeWorker(config)
     engine = Engine(create_scheduler(config), worker)
-
-    def tokens_written() -> int:
-        worker.wait_for_writes()
-        return worker.cache.metrics.snapshot()["tokens_written"]
-
     try:
-        costs = connector_costs(engine, FakeClock(), 1e-4)
-        prefix = fresh_tokens(HIT)
-        assert first_scheduled(engine, "saved", prefix + fresh_tokens(1)) == 0
-        assert tokens_written() == HIT
-        feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
+        costs = connector_costs(engine, FakeClock(), compute_s_per_token)
         connector = engine.scheduler.connector
         assert isinstance(connector, VineyardConnector)
         lookups = connector._scheduler._lookup  # type: ignore[union-attr]
         assert lookups is not None
-        ask = lookups.lookup
+        saved = SavedPrefix(engine, worker, costs, lookups, fresh_tokens(HIT))
+        assert first_scheduled(engine, "saved", saved.tokens + fresh_tokens(1)) == 0
+        assert saved.tokens_written() == HIT
+        feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
+        yield saved
+    finally:
+        engine.close()
+        worker.close()
 
+
+def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
+    tmp_path: Path,
+) -> None:
+    """Computing is known to win, so a request whose lookup is not in
+    after the step's share of waiting is computed at once; once the lookup
+    is in (here a step later), its saves go on past the chunks found (they
+    are cached already), on the worker too."""
+    with a_saved_prefix_behind_a_slow_link(tmp_path, 1e-4) as saved:
+        engine, lookups = saved.engine, saved.lookups
+        ask = lookups.lookup
         peek, peeked = lookups.peek, []
 
         def not_in_yet(req_id: str, *args: Any) -> Any:
@@ -588,10 +614,10 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
             peeked.append(req_id)
             return None if peeked.count("late") == 1 else peek(req_id)
 
-        lookups.lookup = not_in_yet  # type: ignore[method-assign]
+        lookups.lookup = not_in_yet  # type: ignore[method-assign,assignment]
         lookups.peek = in_after_one_step  # type: ignore[method-assign]
         first = len(engine.records)
-        prompt = prefix + fresh_tokens(2 * HIT + 1)
+        prompt = saved.tokens + fresh_tokens(2 * HIT + 1)
         assert first_scheduled(engine, "late", prompt) == 0
         save_from = []
         for record in engine.records[first:]:
@@ -604,14 +630,11 @@ def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
         # Written: the first step's tokens (unless that update was skipped,
         # as on a busy machine: they are cached anyway), then the rest.
         budget = MAX_NUM_BATCHED_TOKENS
-        written = tokens_written() - HIT
-        counts = worker.cache.metrics.snapshot()
+        written = saved.tokens_written() - HIT
+        counts = saved.worker.cache.metrics.snapshot()
         assert written in (2 * HIT, budget + 2 * HIT), {
             k: v for k, v in counts.items() if k.startswith(("updates_", "backend_"))
         }
-    finally:
-        engine.close()
-        worker.close()
 
 
 @pytest.mark.parametrize("lookup_s", [0.0, 0.2])
@@ -621,38 +644,20 @@ def test_a_hit_computed_for_speed_waits_a_share_of_computing_for_its_lookup(
     """A hit computed for speed waits for its lookup (here up to 3% of
     26 s): its first step saves only past the chunks found, so the step
     copies no KV that is cached already."""
-    config = create_vllm_config(
-        make_model_dir(tmp_path / "model"),
-        tmp_path / "root",
-        enable_prefix_caching=False,
-        load_policy="auto",
-    )
-    worker = FakeWorker(config)
-    engine = Engine(create_scheduler(config), worker)
-
-    def tokens_written() -> int:
-        worker.wait_for_writes()
-        return worker.cache.metrics.snapshot()["tokens_written"]
-
-    try:
-        costs = connector_costs(engine, FakeClock(), 0.1)
-        prefix = fresh_tokens(HIT)
-        assert first_scheduled(engine, "saved", prefix + fresh_tokens(1)) == 0
-        assert tokens_written() == HIT
-        feed_loads(costs, FakeClock(), 1.0)  # the link: far too slow
-        assert costs.lookup_wait_s(2 * HIT) == pytest.approx(LOOKUP_WAIT_SHARE * 25.6)
-        connector = engine.scheduler.connector
-        assert isinstance(connector, VineyardConnector)
-        lookups = connector._scheduler._lookup  # type: ignore[union-attr]
-        assert lookups is not None
+    with a_saved_prefix_behind_a_slow_link(tmp_path, 0.1) as saved:
+        engine, lookups = saved.engine, saved.lookups
+        wait_s = LOOKUP_WAIT_SHARE * 0.1 * 2 * HIT
+        assert saved.costs.lookup_wait_s(2 * HIT) == pytest.approx(wait_s)
         find = lookups._lookup.find
 
         def slow_find(*args: Any) -> Any:
             time.sleep(lookup_s)  # 0.2: past the step's share of waiting
             return find(*args)
 
-        lookups._lookup.find = slow_find  # type: ignore[method-assign]
-        request = engine.add(create_request("computed", prefix + fresh_tokens(HIT)))
+        lookups._lookup.find = slow_find  # type: ignore[method-assign,assignment]
+        request = engine.add(
+            create_request("computed", saved.tokens + fresh_tokens(HIT))
+        )
         record = engine.run_until(lambda r: r.num_scheduled(request.request_id) > 0)
         new = record.new_request(request.request_id)
         assert new is not None and new.num_computed_tokens == 0
@@ -661,7 +666,4 @@ def test_a_hit_computed_for_speed_waits_a_share_of_computing_for_its_lookup(
         assert [d.save_from for d in meta.requests if d.req_id == "computed"] == [HIT]
         engine.drain()
         assert engine.counter("tokens_not_loaded_slow") == HIT
-        assert tokens_written() == 2 * HIT  # only the chunks after the hit
-    finally:
-        engine.close()
-        worker.close()
+        assert saved.tokens_written() == 2 * HIT  # only the chunks after the hit
