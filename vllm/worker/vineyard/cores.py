@@ -29,14 +29,16 @@ def default_readers(accelerator: bool) -> int:
     return 2 if free >= 2 else 1
 
 
-def move_off_the_workers_cores() -> None:
-    """Run the calling thread (and what it starts) on the cores the worker
-    does not use, or on every core if there are no others. vLLM's CPU
-    worker binds itself, its threads and its children to its OpenMP cores,
-    and the cache's background work must not take CPU from the forward
-    pass while another core is free."""
+def move_off_the_workers_cores(pid: int = 0) -> None:
+    """Run the calling thread (and what it starts), or the new process
+    ``pid`` that it started, on the cores the worker does not use, or on
+    every core if there are no others. vLLM's CPU worker binds itself, its
+    threads and its children to its OpenMP cores, and the cache's
+    background work must not take CPU from the forward pass while another
+    core is free (a backend process is moved as it is spawned: its
+    interpreter's start alone takes 40-100 ms of a core)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     with contextlib.suppress(OSError):
         every = set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, _cores_not_bound_to_the_worker() or every)
+        os.sched_setaffinity(pid, _cores_not_bound_to_the_worker() or every)

@@ -480,6 +480,39 @@ def test_a_starved_backend_may_run_on_every_core(make_cache: CacheFactory) -> No
     assert counters["updates_failed"] == 0
 
 
+def test_a_backend_starts_off_the_callers_core(tmp_path: Path) -> None:
+    """A backend is moved off the cores of the thread that spawns it (as
+    vLLM's CPU worker binds itself) as it is spawned: its interpreter's
+    start, before any code of its own runs, takes no CPU from the worker."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    spec = BackendSpec(
+        settings=default_settings(),
+        namespace_dir=str(tmp_path / "namespace"),
+        blocks_per_chunk=1,
+        entry_bytes=256,
+        max_blocks=0,
+        num_buffers=0,
+        role="lookup",
+        lookup_namespace_dirs=(str(tmp_path / "namespace"),),
+    )
+    before = {p.pid for p in _starting_backends()}
+    os.sched_setaffinity(0, {cores[0]})
+    try:
+        backend = BackendProcess("lookup", spec, None, 5.0, wait=False)
+        (proc,) = [p for p in _starting_backends() if p.pid not in before]
+        placed = os.sched_getaffinity(proc.pid)  # its interpreter just started
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    try:
+        assert placed == set(cores) - {cores[0]}, placed
+        backend.wait_ready()
+        assert os.sched_getaffinity(proc.pid) == placed  # and it stays there
+    finally:
+        backend.close()
+
+
 def test_a_wait_for_a_cpu_counts_while_it_lasts() -> None:
     """The kernel counts a wait for a CPU once it ends; a process still
     waiting is seen runnable without gaining CPU time, which counts up to

@@ -29,6 +29,7 @@ from vllm.worker.vineyard import launch
 from vllm.worker.vineyard.backend.progress import ProgressWatch, disk_stat_path
 from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec, Request
 from vllm.worker.vineyard.backend.runs import BackendRun, reap, reap_later
+from vllm.worker.vineyard.cores import move_off_the_workers_cores
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class BackendProcess:
                 # before its first run there.
                 process_group=0,
             )
+            move_off_the_workers_cores(proc.pid)
         finally:
             child_sock.close()
         self._starting = (proc, Connection(parent_sock.detach()))

@@ -43,7 +43,6 @@ from vllm.worker.vineyard.backend.protocol import (
     ResetRequest,
 )
 from vllm.worker.vineyard.backend.vineyard_server import VineyardServer
-from vllm.worker.vineyard.cores import move_off_the_workers_cores
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
 from vllm.worker.vineyard.storage.chunks import ChunkFiles
@@ -119,9 +118,6 @@ def main(argv: list[str]) -> int:
     # The engine decides when we stop (by closing the socket); Ctrl-C in the
     # terminal must not kill us first and lose in-flight writes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Where the others are busy too the engine-side handle lets a starved
-    # backend run on every core (``BackendProcess``).
-    move_off_the_workers_cores()
     if args.nice:
         os.nice(args.nice)
 
