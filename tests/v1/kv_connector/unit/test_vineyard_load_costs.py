@@ -54,6 +54,8 @@ from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 pytestmark = pytest.mark.timeout(180)
 
 HIT = 8 * BLOCK_SIZE  # tokens
+LATE_PROMPT = 3 * HIT + 1  # tokens: a prompt that takes PROMPT_STEPS steps
+PROMPT_STEPS = -(-LATE_PROMPT // MAX_NUM_BATCHED_TOKENS)
 
 
 class FakeClock:
@@ -594,47 +596,54 @@ def a_saved_prefix_behind_a_slow_link(
         worker.close()
 
 
+@pytest.mark.parametrize("steps_late", [1, PROMPT_STEPS])
 def test_a_hit_computed_before_its_lookup_is_in_is_not_saved_again(
-    tmp_path: Path,
+    tmp_path: Path, steps_late: int
 ) -> None:
     """Computing is known to win, so a request whose lookup is not in
-    after the step's share of waiting is computed at once; once the lookup
-    is in (here a step later), its saves go on past the chunks found (they
-    are cached already), on the worker too."""
+    after its share of waiting is computed at once; once the lookup is in
+    (a step later, or only once the request decodes, one token longer than
+    the prompt it was asked for), it is taken and counted, and the saves go
+    on past the chunks found (they are cached already), on the worker too."""
     with a_saved_prefix_behind_a_slow_link(tmp_path, 1e-4) as saved:
         engine, lookups = saved.engine, saved.lookups
-        ask = lookups.lookup
-        peek, peeked = lookups.peek, []
+        ask, take, taken = lookups.lookup, lookups.take, []
 
         def not_in_yet(req_id: str, *args: Any) -> Any:
-            late = req_id == "late" and "late" not in peeked
-            return None if late else ask(req_id, *args)
+            return None if req_id == "late" else ask(req_id, *args)
 
-        def in_after_one_step(req_id: str) -> Any:
-            peeked.append(req_id)
-            return None if peeked.count("late") == 1 else peek(req_id)
+        def in_after_steps(req_id: str, num_local_tokens: int) -> Any:
+            taken.append(req_id)
+            if taken.count("late") <= steps_late:
+                return None
+            return take(req_id, num_local_tokens)
 
         lookups.lookup = not_in_yet  # type: ignore[method-assign,assignment]
-        lookups.peek = in_after_one_step  # type: ignore[method-assign]
+        lookups.take = in_after_steps  # type: ignore[method-assign]
         first = len(engine.records)
-        prompt = saved.tokens + fresh_tokens(2 * HIT + 1)
+        prompt = saved.tokens + fresh_tokens(LATE_PROMPT - HIT)
         assert first_scheduled(engine, "late", prompt) == 0
         save_from = []
         for record in engine.records[first:]:
             meta = record.scheduler_output.kv_connector_metadata
             assert isinstance(meta, VineyardConnectorMetadata)
             save_from += [d.save_from for d in meta.requests if d.req_id == "late"]
-        # Its first step (a budget's tokens) saved from 0, the rest from HIT.
-        assert save_from[0] == 0 and set(save_from[1:]) == {HIT}
+        # Saved from 0 until the lookup was in, then from HIT.
+        assert save_from == [0] * steps_late + [HIT] * (len(save_from) - steps_late)
         assert engine.counter("tokens_not_loaded_slow") == HIT  # counted late
-        # Written: the first step's tokens (unless that update was skipped,
-        # as on a busy machine: they are cached anyway), then the rest.
-        budget = MAX_NUM_BATCHED_TOKENS
-        written = saved.tokens_written() - HIT
-        counts = saved.worker.cache.metrics.snapshot()
-        assert written in (2 * HIT, budget + 2 * HIT), {
-            k: v for k, v in counts.items() if k.startswith(("updates_", "backend_"))
-        }
+        assert "late" not in lookups._jobs  # taken, not asked again
+        if steps_late == 1:
+            # Written: the first step's tokens (unless that update was
+            # skipped, as on a busy machine: they are cached anyway), then
+            # the rest.
+            budget = MAX_NUM_BATCHED_TOKENS
+            written = saved.tokens_written() - HIT
+            counts = saved.worker.cache.metrics.snapshot()
+            assert written in (2 * HIT, budget + 2 * HIT), {
+                k: v
+                for k, v in counts.items()
+                if k.startswith(("updates_", "backend_"))
+            }
 
 
 @pytest.mark.parametrize("lookup_s", [0.0, 0.2])

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from vllm.worker.vineyard.backend.client import BackendProcess
 from vllm.worker.vineyard.backend.protocol import (
@@ -25,6 +24,7 @@ from vllm.worker.vineyard.backend.protocol import (
     ResetRequest,
 )
 from vllm.worker.vineyard.config import VineyardLLMCacheConfig
+from vllm.worker.vineyard.connector.lookup_jobs import Job, LookupJob, NamespaceRemoval
 from vllm.worker.vineyard.log_limiter import LogLimiter
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 from vllm.worker.vineyard.storage.cached_chunks import count_cached_chunks
@@ -264,38 +264,6 @@ class VineyardCacheLookup:
         return max(0, hit_end - num_local_tokens), cached * self.chunk_size
 
 
-@dataclass
-class _LookupJob:
-    """One request's lookup: the filesystem's answer does not depend on
-    vLLM's local hit, so a request whose local hit changes keeps its job."""
-
-    digests: list[bytes]
-    num_tokens: int
-    deadline: float  # monotonic: the request's, from its first ask
-    started_at: float | None = None  # when a thread began it (not queued)
-    cancelled: bool = False  # replaced or answered: a thread skips it
-    done: threading.Event = field(default_factory=threading.Event)
-    result: tuple[int, int] = (0, 0)  # (hit end from token 0, save_from)
-
-
-@dataclass
-class NamespaceRemoval:
-    """A reset's removal of every chunk file of ``namespaces`` (queued
-    with the lookups, run in a lookup thread's process)."""
-
-    root: str
-    namespaces: list[str]
-    started_at: float | None = None
-    cancelled: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    removed: list[str] = field(default_factory=list)  # paths removed
-    left: int = 0  # files that could not be removed
-    error: str | None = None  # why it did not finish
-
-
-_Job = _LookupJob | NamespaceRemoval
-
-
 class BackgroundLookups:
     """Runs :class:`VineyardCacheLookup` on background threads, so the
     scheduler's thread never touches the filesystem.
@@ -323,9 +291,9 @@ class BackgroundLookups:
         self._lookup = lookup
         self.metrics = lookup.metrics
         self._timeout_s = timeout_s
-        self._jobs: dict[str, _LookupJob] = {}
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._busy: dict[threading.Thread, _Job | None] = {}
+        self._jobs: dict[str, LookupJob] = {}
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._busy: dict[threading.Thread, Job | None] = {}
         self._abandoned: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._log = LogLimiter(logger)
@@ -438,28 +406,36 @@ class BackgroundLookups:
             start = time.monotonic()
             job.done.wait(self._wait_left)
             self._wait_left -= time.monotonic() - start
-        if job.done.is_set():
-            hit_end, save_from = job.result
-            answer = (max(0, hit_end - num_local_tokens), save_from)
-        elif time.monotonic() >= job.deadline:
-            job.cancelled = True
+        if not job.done.is_set() and time.monotonic() >= job.deadline:
+            self.forget(req_id)  # a late answer is dropped (and not counted)
             self.metrics.add("lookup_timeouts")
-            answer = (0, 0)  # a late answer is dropped (and not counted)
-        else:
+            self._lookup.count(num_local_tokens, num_tokens, len(digests), 0)
+            return 0, 0
+        return self.take(req_id, num_local_tokens)
+
+    def take(self, req_id: str, num_local_tokens: int) -> tuple[int, int] | None:
+        """The request's lookup's answer once it is in (counted), whatever
+        the request's length now; else ``None``."""
+        job = self._jobs.get(req_id)
+        if job is None or not job.done.is_set():
             return None
         del self._jobs[req_id]
-        self._lookup.count(num_local_tokens, num_tokens, len(digests), answer[0])
+        answer = (max(0, job.result[0] - num_local_tokens), job.result[1])
+        self._lookup.count(
+            num_local_tokens, job.num_tokens, len(job.digests), answer[0]
+        )
         return answer
 
     def start(
         self, req_id: str, digests: Sequence[bytes], num_tokens: int
-    ) -> _LookupJob:
+    ) -> LookupJob:
         """The request's lookup, queued now if it has none for this prompt
         (never waits): a request's lookup can start when it arrives."""
         job = self._jobs.get(req_id)
-        if job is None or (job.num_tokens, len(job.digests)) != (
-            num_tokens,
-            len(digests),
+        if (
+            job is None
+            or job.num_tokens != num_tokens
+            or len(job.digests) != len(digests)
         ):
             # New, or the prompt grew (a preempted request's outputs): a
             # filesystem pass is needed, by the request's first deadline.
@@ -468,7 +444,7 @@ class BackgroundLookups:
                 deadline = job.deadline
             else:
                 deadline = time.monotonic() + self._timeout_s
-            job = _LookupJob(list(digests), num_tokens, deadline)
+            job = LookupJob(list(digests), num_tokens, deadline)
             self._jobs[req_id] = job
             self._queue.put(job)
         return job

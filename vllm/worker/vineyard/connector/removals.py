@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 from vllm.logger import init_logger
 
-from vllm.worker.vineyard.connector.lookups import BackgroundLookups, NamespaceRemoval
+from vllm.worker.vineyard.connector.lookup_jobs import NamespaceRemoval
+from vllm.worker.vineyard.connector.lookups import BackgroundLookups
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
 logger = init_logger(__name__)

@@ -373,8 +373,12 @@ class VineyardConnectorScheduler:
                 self._forwarding.append(state)
             if state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
-            if state.late_lookup and lookups.peek(req_id) is not None:
-                self._late_lookup_in(state, lookups)
+            late = state.late_lookup
+            found = lookups.take(req_id, state.num_local_tokens) if late else None
+            if found is not None:  # its lookup, not waited for, is in now
+                self._costs.declined(found[0])  # counted now, computed
+                state.found_late(found[1])
+                self._announce(state)
             num_computed = state.request.num_computed_tokens + num_scheduled
             blocks, replace = new_blocks.get(req_id, ([], False))
             replace = replace or state.blocks_replaced
@@ -398,18 +402,6 @@ class VineyardConnectorScheduler:
             )
             state.blocks_replaced = False
         return deltas
-
-    def _late_lookup_in(self, state: RequestState, lookups: BackgroundLookups) -> None:
-        """Computed before its lookup was in: its hit counted, saves past it."""
-        request = state.request
-        digests = state.digests_up_to(request.num_tokens, self.block_size)
-        found = lookups.lookup(
-            request.request_id, digests, state.num_local_tokens, request.num_tokens
-        )
-        if found is not None:  # None: its prompt grew since (a new lookup)
-            self._costs.declined(found[0])
-            state.found_late(found[1])
-            self._announce(state)
 
     def _load_deltas(self) -> list[RequestDelta]:
         """Requests allocated this step and waiting for their KV: the
