@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -291,6 +292,20 @@ def test_backends_load_only_vineyards_kv_cache(small_cache: CacheHarness):
             assert heavy not in mapped, (kind, heavy)
 
 
+def _spec(tmp_path: Path, **fields: Any) -> BackendSpec:
+    """A backend's spec for a namespace under ``tmp_path``: one-block
+    chunks of small entries, no buffers unless ``fields`` say so."""
+    fields = {"max_blocks": 0, "num_buffers": 0, **fields}
+    namespace = str(tmp_path / "namespace")
+    return BackendSpec(
+        settings=default_settings(),
+        namespace_dir=namespace,
+        blocks_per_chunk=1,
+        entry_bytes=256,
+        **fields,
+    )
+
+
 def _starting_backends() -> list[psutil.Process]:
     return [
         child
@@ -304,14 +319,7 @@ def test_close_while_a_backend_starts_is_bounded(tmp_path: Path) -> None:
     run; for real, hung on a dead filesystem) while another thread waits for
     it (a restart) holding the handle: close() kills it, process group and
     all, and returns within seconds, not after the startup timeout."""
-    spec = BackendSpec(
-        settings=default_settings(),
-        namespace_dir=str(tmp_path / "namespace"),
-        blocks_per_chunk=1,
-        entry_bytes=256,
-        max_blocks=4,
-        num_buffers=1,
-    )
+    spec = _spec(tmp_path, max_blocks=4, num_buffers=1)
     shm = os.memfd_create("vineyard-test")
     os.ftruncate(shm, spec.buffer_bytes)
     before = {p.pid for p in _starting_backends()}
@@ -487,16 +495,8 @@ def test_a_backend_starts_off_the_callers_core(tmp_path: Path) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
-    spec = BackendSpec(
-        settings=default_settings(),
-        namespace_dir=str(tmp_path / "namespace"),
-        blocks_per_chunk=1,
-        entry_bytes=256,
-        max_blocks=0,
-        num_buffers=0,
-        role="lookup",
-        lookup_namespace_dirs=(str(tmp_path / "namespace"),),
-    )
+    namespaces = (str(tmp_path / "namespace"),)
+    spec = _spec(tmp_path, role="lookup", lookup_namespace_dirs=namespaces)
     before = {p.pid for p in _starting_backends()}
     os.sched_setaffinity(0, {cores[0]})
     try:
