@@ -432,10 +432,9 @@ class BackgroundLookups:
         """The request's lookup, queued now if it has none for this prompt
         (never waits): a request's lookup can start when it arrives."""
         job = self._jobs.get(req_id)
-        if (
-            job is None
-            or job.num_tokens != num_tokens
-            or len(job.digests) != len(digests)
+        if job is None or (job.num_tokens, len(job.digests)) != (
+            num_tokens,
+            len(digests),
         ):
             # New, or the prompt grew (a preempted request's outputs): a
             # filesystem pass is needed, by the request's first deadline.

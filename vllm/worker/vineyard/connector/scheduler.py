@@ -180,10 +180,12 @@ class VineyardConnectorScheduler:
         )
         req_id, num_tokens = request.request_id, request.num_tokens
         found = self._lookup.lookup(req_id, digests, num_computed_tokens, num_tokens)
-        waited_s = time.monotonic() - state.asked_at
-        wait_s = self._costs.lookup_wait_s(num_tokens - num_computed_tokens)
-        if found is None and (not computing or waited_s < wait_s):
+        if found is None and not computing:
             return None, False  # ask again next step
+        if found is None and time.monotonic() - state.asked_at < (
+            self._costs.lookup_wait_s(num_tokens - num_computed_tokens)
+        ):
+            return None, False  # computed, but its lookup is worth a wait
         if found is None:  # saves start from the first chunk, until it is in
             state.late_lookup, found = True, (0, 0)
         num_hit, save_from = found
@@ -375,7 +377,7 @@ class VineyardConnectorScheduler:
                 continue  # not cacheable: the worker needs nothing
             late = state.late_lookup
             found = lookups.take(req_id, state.num_local_tokens) if late else None
-            if found is not None:  # its lookup, not waited for, is in now
+            if found is not None:  # its lookup, in after it was computed
                 self._costs.declined(found[0])  # counted now, computed
                 state.found_late(found[1])
                 self._announce(state)
