@@ -41,6 +41,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     MARGIN,
     MAX_FIXED_SHARE,
     MIN_STEP_TOKENS,
+    PROBE_CUT,
     PROBE_INTERVAL_S,
     READ_AHEAD_STEP_SHARE,
     LoadCosts,
@@ -138,13 +139,15 @@ class FakeProbes:
 
     def __init__(self) -> None:
         self.started: list[int] = []  # blocks of each probe started
+        self.cuts: list[float] = []  # and where it stops
         self.busy = False
         self.results: list[tuple[int, float]] = []
 
-    def start(self, digests: object, blocks: int) -> bool:
+    def start(self, digests: object, blocks: int, cut_s_per_block: float) -> bool:
         if self.busy:
             return False
         self.started.append(blocks)
+        self.cuts.append(cut_s_per_block)
         self.busy = True
         return True
 
@@ -199,6 +202,28 @@ def test_a_slow_link_is_probed_again_after_1_2_4_5_seconds(
             assert costs.promise(HIT) == 0  # its price taken now
             start = clock.now
     assert waits == [1.0, 2.0, 4.0, PROBE_INTERVAL_S, PROBE_INTERVAL_S]
+
+
+def test_a_probe_stops_at_twice_what_a_load_must_beat(
+    costs: LoadCosts, clock: FakeClock, metrics: VineyardCacheMetrics
+) -> None:
+    """A probe of a slow link stops once it is sure to price a block at
+    PROBE_CUT times what a load must beat; that price, a lower bound, keeps
+    hits computed, and the next probe comes later."""
+    probes = FakeProbes()
+    costs.probes = probes  # type: ignore[assignment]
+    feed_compute(costs, clock, 1e-4)
+    feed_loads(costs, clock, 1e-2)  # a hundred times too slow
+    clock.now += PROBE_INTERVAL_S
+    assert costs.promise(HIT) == 0
+    must_beat = 1e-4 * BLOCK_SIZE / MARGIN  # seconds per block
+    assert probes.cuts == [pytest.approx(PROBE_CUT * must_beat)]
+    probes.finish(8, 8 * PROBE_CUT * must_beat)  # cut: at least that slow
+    clock.now += FIRST_PROBE_INTERVAL_S
+    assert costs.promise(HIT) == 0
+    assert costs.load_s(1) == pytest.approx(PROBE_CUT * must_beat)
+    assert len(probes.started) == 1  # not due again yet
+    assert metrics.take()["tokens_not_loaded_slow"] == 2 * HIT
 
 
 def test_while_the_starts_probe_runs_the_prices_at_hand_decide(

@@ -4,7 +4,8 @@
 up to a byte budget, stopping at the first missing or empty (placeholder)
 file (:func:`time_chunk_reads`); or, at an engine's start, whichever chunk
 files the namespace lists, in either layout (:func:`time_any_chunk_reads`);
-a few at a time, as a load's reads overlap."""
+a few at a time, as a load's reads overlap; cut once sure to cost more than
+the price they are to beat."""
 
 from __future__ import annotations
 
@@ -149,5 +150,34 @@ def test_reads_overlap_their_round_trips(
         one_at_a_time = timed(1)
         # Six files: two waves of four and two, against six one at a time.
         assert timed(4) < 0.6 * one_at_a_time
+    finally:
+        fs.close()
+
+
+@pytest.mark.parametrize("any_files", [False, True])
+def test_a_probe_of_a_thin_link_stops_once_sure_to_lose(
+    tmp_path: Path, any_files: bool
+) -> None:
+    """Behind 8 MB/s, a probe given a price an eighth of the link's stops
+    soon after it is sure to be above it, and says so (a price at least
+    that high); given one above the link's, it reads every file."""
+    fs = mount_slow_fs(tmp_path / "fs", read_mbps=8.0, direct_io=True)
+    try:
+        files = ChunkFiles(str(fs.mount / "ns"), BPC, 1 << 20)  # 2 MiB files
+        size = write_chunks(files, 4)
+        link_s_per_block = size / 8e6 / (4 * BPC)
+
+        def probe(cut_s_per_block: float) -> tuple[int, float]:
+            if any_files:
+                return time_any_chunk_reads(files, 4, 1 << 30, cut_s_per_block)
+            return time_chunk_reads(files, IDS, 4, 1 << 30, cut_s_per_block)
+
+        blocks, seconds = probe(link_s_per_block / 8)
+        assert blocks == 4 * BPC
+        assert seconds >= blocks * link_s_per_block / 8
+        assert seconds < 0.5 * size / 8e6  # not the whole files' time
+        blocks, seconds = probe(3 * link_s_per_block)
+        assert blocks == 4 * BPC
+        assert seconds >= 0.8 * size / 8e6  # every byte through the link
     finally:
         fs.close()

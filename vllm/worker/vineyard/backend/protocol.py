@@ -256,13 +256,15 @@ class LookupRequest(Request[LookupReply]):
 class ProbeRequest(Request[ProbeReply]):
     """Read the first chunk files of ``ids`` (rank 0's), or with no ``ids``
     those its namespace lists first, at most ``max_chunks`` and about
-    ``max_bytes``, timed: the link's price (a lookup process's request)."""
+    ``max_bytes``, timed: the link's price (a lookup process's request);
+    cut once it is sure to be above ``cut_s_per_block`` (0: never)."""
 
     op: ClassVar[str] = "probe"
     reply_type: ClassVar[type[Any]] = ProbeReply
     ids: list[int]
     max_chunks: int
     max_bytes: int
+    cut_s_per_block: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,10 @@ class _LookupServer:
         if isinstance(request, ProbeRequest):
             files, ids = self._rank_files[0], request.ids
             n, max_bytes = request.max_chunks, request.max_bytes
+            cut = request.cut_s_per_block
             if not ids:
-                return ProbeReply(*time_any_chunk_reads(files, n, max_bytes))
-            return ProbeReply(*time_chunk_reads(files, ids, n, max_bytes))
+                return ProbeReply(*time_any_chunk_reads(files, n, max_bytes, cut))
+            return ProbeReply(*time_chunk_reads(files, ids, n, max_bytes, cut))
         if isinstance(request, ResetRequest):
             return ResetReply(
                 *remove_namespace_chunks(request.root, set(request.namespaces))

@@ -9,7 +9,9 @@ asks for one at the start, and the start waits for it (so the first hit is
 decided by the link as it is now, not as a predecessor saw it); at a hit
 when its price of loading is still not this engine's own (the namespace had
 no chunk at the start), or when one is due again (the link was found too
-slow a while ago), and computes that hit meanwhile."""
+slow a while ago), and computes that hit meanwhile. A probe may be given
+the price it is to beat: it stops once it is sure to be slower (see
+:mod:`~vllm.worker.vineyard.storage.timed_reads`)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ PROBE_CHUNKS = 16
 class LinkProbes:
     def __init__(self, lookup: VineyardCacheLookup):
         self._lookup = lookup
-        self._queue: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        # (digests, cut_s_per_block) of the probe to run
+        self._queue: queue.SimpleQueue[tuple[list[bytes], float]] = queue.SimpleQueue()
         self._results: list[tuple[int, float]] = []
         self._lock = threading.Lock()
         self._idle = threading.Event()  # cleared while a probe is queued or runs
@@ -44,24 +47,29 @@ class LinkProbes:
             target=self._run, name="vineyard-cache-link-probe", daemon=True
         ).start()
 
-    def start(self, digests: Sequence[bytes], blocks: int) -> bool:
+    def start(
+        self, digests: Sequence[bytes], blocks: int, cut_s_per_block: float = 0.0
+    ) -> bool:
         """Time the read of the first chunk files of a prefix that holds
-        ``blocks`` cached blocks; ``False`` while another probe runs."""
+        ``blocks`` cached blocks, cut once sure to cost more than
+        ``cut_s_per_block`` (0: never); ``False`` while another probe
+        runs."""
         bpc = self._lookup.chunk_size // self._lookup.block_size
         chunks = min(blocks // bpc, PROBE_CHUNKS)
-        return chunks > 0 and self._put(list(digests[: chunks * bpc]))
+        digests = list(digests[: chunks * bpc])
+        return chunks > 0 and self._put(digests, cut_s_per_block)
 
-    def start_any(self) -> bool:
+    def start_any(self, cut_s_per_block: float = 0.0) -> bool:
         """Time the read of whichever chunk files the namespace lists first
         (it may have none: then no price comes)."""
-        return self._put([])
+        return self._put([], cut_s_per_block)
 
-    def _put(self, digests: list[bytes]) -> bool:
+    def _put(self, digests: list[bytes], cut_s_per_block: float) -> bool:
         with self._lock:
             if not self._idle.is_set():
                 return False
             self._idle.clear()
-        self._queue.put(digests)
+        self._queue.put((digests, cut_s_per_block))
         return True
 
     @property
@@ -86,11 +94,11 @@ class LinkProbes:
         self._lookup.warm_up()
         bpc = self._lookup.chunk_size // self._lookup.block_size
         while True:
-            digests = self._queue.get()  # none: any chunk files
+            digests, cut = self._queue.get()  # no digests: any chunk files
             chunks = len(digests) // bpc if digests else PROBE_CHUNKS
             start = time.perf_counter()
             try:
-                result = self._lookup.time_reads(digests, chunks, PROBE_BYTES)
+                result = self._lookup.time_reads(digests, chunks, PROBE_BYTES, cut)
             except BackendError as e:
                 # Gave up after the backend timeout: at least this slow.
                 logger.warning("vineyard cache link probe failed: %s", e)

@@ -24,16 +24,19 @@ link is priced again by a probe, 1 s later, then twice as long after each
 that finds it slow, up to every :data:`PROBE_INTERVAL_S`: a timed read of a
 hit's first chunk files off the requests
 (:class:`~.link_probes.LinkProbes`; that hit is computed meanwhile), whose
-price replaces the old ones. Without probes (lookups in process) the hit
-itself is loaded as the probe (the workers stop any load that runs slower
-than computing the rest, so it costs little). Until both estimates exist,
-hits are loaded. The link is probed as the engine starts, off any
-request, and the start waits for it (up to :data:`START_PROBE_WAIT_S`; hits
-that come before it ends are decided by the prices at hand); if the
-namespace has no chunk then, at the first hit. The estimates outlive the engine
-(:class:`RememberedCosts`): a restarted engine starts from the prices its
-predecessor on this host saw for the same root and namespace (computing's
-until its own steps are timed; the link's until its probe ends).
+price replaces the old ones. A probe stops once it is sure to price a block
+at :data:`PROBE_CUT` times what loading must beat: a link that is still
+slow is read only until that shows (its price is then that lower bound).
+Without probes (lookups in process) the hit itself is loaded as the probe
+(the workers stop any load that runs slower than computing the rest, so it
+costs little). Until both estimates exist, hits are loaded. The link is
+probed as the engine starts, off any request, and the start waits for it
+(up to :data:`START_PROBE_WAIT_S`; hits that come before it ends are
+decided by the prices at hand); if the namespace has no chunk then, at the
+first hit. The estimates outlive the engine (:class:`RememberedCosts`): a
+restarted engine starts from the prices its predecessor on this host saw
+for the same root and namespace (computing's until its own steps are
+timed; the link's until its probe ends).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ MARGIN = 1.25
 #: :data:`PROBE_INTERVAL_S` (one probe's price can be a busy moment's).
 FIRST_PROBE_INTERVAL_S = 1.0
 PROBE_INTERVAL_S = 5.0
+#: A probe stops once it is sure to price a block at this many times what a
+#: load must beat (a slow link shared by several hosts is not kept busy by
+#: probes that tell only that it is still slow).
+PROBE_CUT = 2.0
 #: Loads whose median prices a block (a change shows within half of them).
 LOAD_SAMPLES = 5
 #: Weight of the newest step in the price of a token (a few steps dominate).
@@ -190,7 +197,8 @@ class LoadCosts:
         if not self.decide:
             return
         self.probes = LinkProbes(lookup)
-        self.probes.start_any()
+        per_token = self.compute_s_per_token  # a predecessor's, if any
+        self.probes.start_any(self._probe_cut(per_token or 0.0))
         if not self.probes.wait(START_PROBE_WAIT_S):
             logger.warning(
                 "vineyard cache: the link probe at the start did not end "
@@ -312,6 +320,10 @@ class LoadCosts:
         the engine start's probe runs, the prices at hand decide."""
         return self.probes is not None and self.probes.busy and self._hit_probe
 
+    def _probe_cut(self, compute_s_per_token: float) -> float:
+        """Where a probe stops (see :data:`PROBE_CUT`): seconds per block."""
+        return PROBE_CUT * compute_s_per_token * self.block_size / MARGIN
+
     def _probed(self) -> None:
         self._last_probe_at = self._clock()
         self._probe_interval = min(2 * self._probe_interval, PROBE_INTERVAL_S)
@@ -335,7 +347,9 @@ class LoadCosts:
         wins = load_s * MARGIN <= compute_s
         if self.probes is not None:
             due = (not self._own_price or not wins) and self._probe_due()
-            if due and self.probes.start(digests, hit_tokens // self.block_size):
+            cut = self._probe_cut(compute_s / hit_tokens)
+            blocks = hit_tokens // self.block_size
+            if due and self.probes.start(digests, blocks, cut):
                 self._hit_probe = True
                 self._probed()
             if self._probing_a_hit():

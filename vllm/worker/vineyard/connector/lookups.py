@@ -186,7 +186,11 @@ class VineyardCacheLookup:
         return reply.removed, reply.left
 
     def time_reads(
-        self, digests: Sequence[bytes], max_chunks: int, max_bytes: int
+        self,
+        digests: Sequence[bytes],
+        max_chunks: int,
+        max_bytes: int,
+        cut_s_per_block: float = 0.0,
     ) -> tuple[int, float]:
         """Read the first chunk files of a prefix (rank 0's), or with no
         ``digests`` those the namespace lists first, timed: ``(blocks read,
@@ -195,12 +199,13 @@ class VineyardCacheLookup:
         ``backend_timeout_s``)."""
         bpc = self.chunk_size // self.block_size
         ids = synthetic_ids(digests[: max_chunks * bpc])
+        files, cut = self._files[0], cut_s_per_block
         if self._in_process and not ids:
-            return time_any_chunk_reads(self._files[0], max_chunks, max_bytes)
+            return time_any_chunk_reads(files, max_chunks, max_bytes, cut)
         if self._in_process:
-            return time_chunk_reads(self._files[0], ids, max_chunks, max_bytes)
+            return time_chunk_reads(files, ids, max_chunks, max_bytes, cut)
         reply = self._process().call(
-            ProbeRequest(ids, max_chunks, max_bytes),
+            ProbeRequest(ids, max_chunks, max_bytes, cut),
             timeout_s=self.config.backend_timeout_s,
         )
         return reply.blocks, reply.seconds
