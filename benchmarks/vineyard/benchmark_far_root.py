@@ -23,7 +23,8 @@ this cache starts from the prices its predecessor on the host remembered
 (whatever bandwidth that one saw). Printed per model, bandwidth and length:
 each configuration's TTFT and its ratio to no cache (target <= 1.1x for
 this cache at every bandwidth and length), and whether every answer equals
-no cache's. Usage::
+no cache's; per bandwidth, the MiB each engine of this cache read from the
+root (where ``auto`` computes every hit, its link probes'). Usage::
 
     python benchmarks/vineyard/benchmark_far_root.py [--tiny] \\
         [--models kv-heavy toy] [--mbps 16 64 256 0] [--json out.json]
@@ -111,13 +112,17 @@ def run_model(
         no_cache = [engine(engine_plan, path, "no cache", roots["no cache"], rounds,
                            work / f"{model}-no-cache")]  # fmt: skip
         runs_at: dict[float, dict[str, Any]] = {}
+        link_mib: dict[float, dict[str, float]] = {}  # read by each engine
         for mbps in plan.mbps:
             fs.set(read_mbps=mbps)
             runs = runs_at[mbps] = {}
+            link_mib[mbps] = {}
             for cfg in CONFIGS:
                 kind, env = CONFIGS[cfg]
+                before = fs.link_bytes()
                 runs[cfg] = engine(engine_plan, path, kind, roots[cfg], rounds,
                                    work / f"{model}-{cfg}-{mbps:g}", env)  # fmt: skip
+                link_mib[mbps][cfg] = (fs.link_bytes() - before) / (1 << 20)
             no_cache.append(runs.pop("no cache"))
         for mbps, runs in runs_at.items():
             for i, n in enumerate(lengths):
@@ -146,8 +151,9 @@ def run_model(
             auto = runs["auto"].last
             print(f"    {mbps:g} MB/s: auto computed "
                   f"{auto.counter('tokens_not_loaded_slow')} tokens for speed, "
-                  f"stopped {auto.counter('loads_stopped_slow')} load(s)",
-                  flush=True)  # fmt: skip
+                  f"stopped {auto.counter('loads_stopped_slow')} load(s), read "
+                  f"{link_mib[mbps]['auto']:.1f} MiB (always: "
+                  f"{link_mib[mbps]['always']:.1f} MiB)", flush=True)  # fmt: skip
     finally:
         fs.close()
     worst = max(row["auto"]["vs_no_cache"] for row in rows)
@@ -155,6 +161,8 @@ def run_model(
         "model": model,
         "kv_bytes_per_token": toy_kv_bytes(model),
         "rows": rows,
+        # MiB each engine read from the root, per bandwidth and configuration.
+        "link_mib": {f"{mbps:g}": mib for mbps, mib in link_mib.items()},
         "auto_worst_vs_no_cache": worst,
         "auto_meets_target": worst <= TARGET,
         "answers_identical": all(

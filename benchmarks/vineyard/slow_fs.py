@@ -7,13 +7,14 @@ the first ``read`` of each open file (the round trip before the first byte;
 later reads are read ahead) and every ``fsync`` (a commit on the server)
 wait too; with ``--read-mbps`` every read shares one link of that many
 MB/s (``--direct-io``, implied: every read reaches the daemon, none is
-answered from the kernel's page cache); while
-``--freeze-file`` exists every operation blocks (a server that stops
-answering).
+answered from the kernel's page cache; the bytes that crossed it are kept
+in ``--stats-file``); while ``--freeze-file`` exists every operation blocks
+(a server that stops answering).
 
     python benchmarks/vineyard/slow_fs.py BACKING_DIR MOUNTPOINT \
         [--latency-ms 20] [--io-latency-ms 20] [--read-mbps 16] \
-        [--direct-io] [--freeze-file PATH] [--control-file PATH] [--cores 1,2]
+        [--direct-io] [--freeze-file PATH] [--control-file PATH] \
+        [--stats-file PATH] [--cores 1,2]
 
 The control file (JSON, written whole by :meth:`SlowFs.set`) changes them
 while mounted: ``latency_ms``, ``io_latency_ms``, ``read_mbps`` (0: no
@@ -52,6 +53,8 @@ except (ImportError, OSError) as e:  # no libfuse: SlowFs says why
 _STAT_FIELDS = (
     "st_ino", "st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks"
 )  # fmt: skip
+#: How often the daemon writes down the bytes read through its link.
+STATS_INTERVAL_S = 0.1
 #: utimensat's special nanosecond values (as FUSE passes them, in ns).
 _UTIME_NOW, _UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
 _TIME_FIELDS = ("st_atime", "st_mtime", "st_ctime")
@@ -96,6 +99,7 @@ class SlowFs:
         self.mount = work / "mount"
         self.freeze_file = work / "freeze"
         self.control_file = work / "control.json"
+        self.stats_file = work / "stats.json"
         self.backing.mkdir(parents=True)
         self.mount.mkdir(parents=True)
         self._log = open(work / "fuse.log", "w")  # noqa: SIM115 - closed in close()
@@ -104,6 +108,7 @@ class SlowFs:
              str(self.mount), "--latency-ms", str(latency_ms), "--io-latency-ms",
              str(io_latency_ms), "--read-mbps", str(read_mbps), "--freeze-file",
              str(self.freeze_file), "--control-file", str(self.control_file),
+             "--stats-file", str(self.stats_file),
              *(["--direct-io"] if direct_io or read_mbps else []),
              *(["--cores", ",".join(map(str, sorted(cores)))] if cores else [])],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -134,6 +139,15 @@ class SlowFs:
         tmp = self.control_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         tmp.replace(self.control_file)
+
+    def link_bytes(self) -> int:
+        """The bytes read through the read link so far (as the daemon last
+        wrote them down: it does every :data:`STATS_INTERVAL_S`)."""
+        time.sleep(2 * STATS_INTERVAL_S)
+        try:
+            return int(json.loads(self.stats_file.read_text())["link_bytes"])
+        except (OSError, ValueError, KeyError):
+            return 0
 
     def stat_latency_ms(self, repeats: int = 5) -> float:
         """What one ``stat`` of a file costs through the mount (ms)."""
@@ -172,6 +186,7 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         freeze_file: str,
         read_mbps: float = 0.0,
         control_file: str = "",
+        stats_file: str = "",
     ):
         self.backing = os.path.realpath(backing)
         self.latency_s = latency_s
@@ -185,6 +200,11 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         # The read link: when it is free again (monotonic).
         self._link_lock = threading.Lock()
         self._link_free_at = 0.0
+        self.link_bytes = 0
+        if stats_file:
+            threading.Thread(
+                target=self._write_stats, args=(stats_file,), daemon=True
+            ).start()
 
     def _path(self, path: str) -> str:
         return os.path.join(self.backing, path.lstrip("/"))
@@ -217,11 +237,23 @@ class SlowPassthrough(fuse.Operations if fuse else object):  # type: ignore[misc
         if slow and latency_s:
             time.sleep(latency_s)
 
+    def _write_stats(self, path: str) -> None:
+        written = -1
+        while True:
+            time.sleep(STATS_INTERVAL_S)
+            if self.link_bytes != written:
+                written = self.link_bytes
+                with contextlib.suppress(OSError):
+                    with open(path + ".tmp", "w") as f:
+                        json.dump({"link_bytes": written}, f)
+                    os.replace(path + ".tmp", path)
+
     def _through_the_link(self, nbytes: int) -> None:
         """Wait for ``nbytes`` to cross the shared read link."""
-        if not self.read_bps:
-            return
         with self._link_lock:
+            self.link_bytes += nbytes
+            if not self.read_bps:
+                return
             now = time.monotonic()
             self._link_free_at = max(now, self._link_free_at) + nbytes / self.read_bps
             done_at = self._link_free_at
@@ -369,6 +401,7 @@ def main() -> None:
     parser.add_argument("--read-mbps", type=float, default=0.0)
     parser.add_argument("--freeze-file", default="")
     parser.add_argument("--control-file", default="")
+    parser.add_argument("--stats-file", default="")
     parser.add_argument("--direct-io", action="store_true")
     parser.add_argument("--cores", default="", help="e.g. 1,2: run only there")
     args = parser.parse_args()
@@ -383,6 +416,7 @@ def main() -> None:
             args.freeze_file,
             args.read_mbps,
             args.control_file,
+            args.stats_file,
         ),
         args.mountpoint,
         foreground=True,
