@@ -102,6 +102,17 @@ def test_a_fast_lookup_is_answered_in_the_step_that_asks(
     assert ask(lookups, "fast", 100) == (99, 100)
 
 
+def test_a_step_waits_what_it_is_given_for_its_lookups(gated: GatedLookup) -> None:
+    """A step given more than STEP_WAIT_S (the scheduler gives a share of
+    a long step) answers a lookup a few round trips long in that step."""
+    gated.took_s[300] = gated.took_s[301] = 0.05
+    lookups = make(gated, timeout_s=5.0)
+    lookups.begin_step()
+    assert ask(lookups, "near", 300) is None  # 5 ms: asked again next step
+    lookups.begin_step(wait_s=2.0)
+    assert ask(lookups, "far", 301) == (300, 301)
+
+
 def test_a_pending_lookup_answers_none_then_its_result(gated: GatedLookup) -> None:
     gated.held[200] = threading.Event()
     lookups = make(gated, timeout_s=5.0)

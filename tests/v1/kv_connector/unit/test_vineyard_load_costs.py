@@ -37,9 +37,11 @@ from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector import load_costs
 from vllm.worker.vineyard.connector.load_costs import (
     FIRST_PROBE_INTERVAL_S,
+    LOOKUP_STEP_SHARE,
     LOOKUP_WAIT_SHARE,
     MARGIN,
     MAX_FIXED_SHARE,
+    MAX_LOOKUPS_WAIT_S,
     MIN_STEP_TOKENS,
     PROBE_CUT,
     PROBE_INTERVAL_S,
@@ -47,7 +49,7 @@ from vllm.worker.vineyard.connector.load_costs import (
     LoadCosts,
     RememberedCosts,
 )
-from vllm.worker.vineyard.connector.lookups import BackgroundLookups
+from vllm.worker.vineyard.connector.lookups import STEP_WAIT_S, BackgroundLookups
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
@@ -371,6 +373,24 @@ def test_a_hit_is_read_ahead_when_its_load_takes_over_half_a_step(
     feed_loads(costs, clock, load_share * step_s / HIT)
     worth = costs.worth_reading_ahead(HIT, 4 * MIN_STEP_TOKENS)
     assert worth == (load_share > READ_AHEAD_STEP_SHARE)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "wait_s"),
+    [
+        (0.01, STEP_WAIT_S),  # short steps: the floor
+        (1.0, LOOKUP_STEP_SHARE * 1.0),
+        (100.0, MAX_LOOKUPS_WAIT_S),
+    ],
+)
+def test_lookups_are_waited_for_a_share_of_the_last_step(
+    costs: LoadCosts, clock: FakeClock, step_s: float, wait_s: float
+) -> None:
+    assert costs.lookups_wait_s() == STEP_WAIT_S  # no step yet
+    costs.step_scheduled(4 * MIN_STEP_TOKENS)
+    clock.now += step_s
+    costs.step_finished()
+    assert costs.lookups_wait_s() == pytest.approx(wait_s)
 
 
 def test_a_burst_of_slow_small_steps_takes_only_a_share_of_a_step(
@@ -701,3 +721,35 @@ def test_a_hit_computed_for_speed_waits_a_share_of_computing_for_its_lookup(
         engine.drain()
         assert engine.counter("tokens_not_loaded_slow") == HIT
         assert saved.tokens_written() == 2 * HIT  # only the chunks after the hit
+
+
+@pytest.mark.parametrize(("step_s", "first_step"), [(0.01, False), (2.0, True)])
+def test_a_far_lookup_is_waited_for_in_a_long_step(
+    tmp_path: Path, step_s: float, first_step: bool
+) -> None:
+    """A lookup a few round trips long (50 ms) is answered in the step
+    that asks, and its hit's load starts there, when the engine's steps
+    take 2 s (it waits up to a share of one), not a whole step later;
+    after steps of 10 ms it is asked again next step (a step waits
+    STEP_WAIT_S)."""
+    with a_saved_prefix_behind_a_slow_link(tmp_path, 1e-4) as saved:
+        engine, costs, lookups = saved.engine, saved.costs, saved.lookups
+        clock = FakeClock()
+        costs._clock = clock
+        feed_loads(costs, clock, 1e-9)  # the link: fast again
+        LoadCosts.step_scheduled(costs, 4 * MIN_STEP_TOKENS)
+        clock.now += step_s
+        LoadCosts.step_finished(costs)
+        find = lookups._lookup.find
+
+        def far_find(*args: Any) -> Any:
+            time.sleep(0.05)
+            return find(*args)
+
+        lookups._lookup.find = far_find  # type: ignore[method-assign,assignment]
+        engine.step()  # its budget is set as the step before is built
+        request = engine.add(create_request("far", saved.tokens + fresh_tokens(1)))
+        assert ("far" in engine.step().loads()) == first_step
+        engine.run_until(lambda r: r.num_scheduled(request.request_id) > 0)
+        engine.drain()
+        assert engine.counter("hit_tokens") == HIT

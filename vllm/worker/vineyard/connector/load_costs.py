@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm.worker.vineyard.connector.link_probes import LinkProbes
-from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
+from vllm.worker.vineyard.connector.lookups import STEP_WAIT_S, VineyardCacheLookup
 from vllm.worker.vineyard.metrics import VineyardCacheMetrics
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,13 @@ READ_AHEAD_STEP_SHARE = 0.5
 #: saves start) at most this share of computing it: a save of chunks cached
 #: already costs a copy of their KV, a few percent of computing them.
 LOOKUP_WAIT_SHARE = 0.03
+#: A scheduler step waits for the lookups of arriving requests up to this
+#: share of the engine's last step, where that is more than STEP_WAIT_S (and
+#: at most MAX_LOOKUPS_WAIT_S): a lookup not answered in the step that asks
+#: waits a whole step more, and a root a few round trips away answers in
+#: tens of ms, not 5.
+LOOKUP_STEP_SHARE = 0.05
+MAX_LOOKUPS_WAIT_S = 0.1
 #: The engine's start waits this long at most for its link probe (a hung
 #: root delays the start by no more).
 START_PROBE_WAIT_S = 3.0
@@ -181,6 +188,7 @@ class LoadCosts:
         self._probe_interval = FIRST_PROBE_INTERVAL_S
         self._hit_probe = False  # the probe running was started at a hit
         self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
+        self._last_step_s = 0.0
         self._loading = True  # the decision last logged
         self._probing = False  # a probe was promised, its price not seen
         # The link's price from this engine's own loads or probes (not only
@@ -252,7 +260,8 @@ class LoadCosts:
         if not self._in_flight:
             return
         started, tokens = self._in_flight.popleft()
-        self._steps.add(tokens, self._clock() - started)
+        self._last_step_s = self._clock() - started
+        self._steps.add(tokens, self._last_step_s)
         self._publish()
 
     # ---- estimates and the decision -------------------------------------
@@ -284,6 +293,12 @@ class LoadCosts:
         its lookup: :data:`LOOKUP_WAIT_SHARE` of computing them."""
         compute_s = self.compute_s(tokens)
         return 0.0 if compute_s is None else LOOKUP_WAIT_SHARE * compute_s
+
+    def lookups_wait_s(self) -> float:
+        """How long the next scheduler step may wait in all for lookups
+        (see :data:`LOOKUP_STEP_SHARE`)."""
+        share = min(LOOKUP_STEP_SHARE * self._last_step_s, MAX_LOOKUPS_WAIT_S)
+        return max(STEP_WAIT_S, share)
 
     def worth_reading_ahead(self, hit_tokens: int, step_tokens: int) -> bool:
         """Whether loading ``hit_tokens`` is expected to take more than

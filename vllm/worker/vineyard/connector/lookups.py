@@ -39,8 +39,9 @@ from vllm.worker.vineyard.storage.timed_reads import (
 logger = logging.getLogger(__name__)
 
 #: Longest a scheduler step waits, over all its lookups, for lookups it
-#: started: on a fast disk a lookup is answered in the step that asked
-#: (no added step), on a slow or hung one the step goes on.
+#: started (unless given more, see :meth:`BackgroundLookups.begin_step`):
+#: on a fast disk a lookup is answered in the step that asked (no added
+#: step), on a slow or hung one the step goes on.
 STEP_WAIT_S = 0.005
 #: Most lookup threads stuck in the filesystem at once before lookups are
 #: answered as misses until one returns.
@@ -391,9 +392,10 @@ class BackgroundLookups:
         """See :meth:`VineyardCacheLookup.avoid`."""
         self._lookup.avoid(unreadable)
 
-    def begin_step(self) -> None:
-        """A new scheduler step: its share of waiting for lookups."""
-        self._wait_left = STEP_WAIT_S
+    def begin_step(self, wait_s: float = STEP_WAIT_S) -> None:
+        """A new scheduler step: it waits up to ``wait_s`` in all for
+        lookups."""
+        self._wait_left = wait_s
         self._replace_stuck_threads(time.monotonic())
 
     def lookup(

@@ -345,7 +345,7 @@ class VineyardConnectorScheduler:
             return meta  # the cache is off: nothing to load or save
         self._identity_wait_left = STEP_WAIT_S
         self._costs.step_scheduled(scheduler_output.total_num_scheduled_tokens)
-        self._lookup.begin_step()
+        self._lookup.begin_step(self._costs.lookups_wait_s())
         if self._removals is not None:
             self._removals.log_finished()
         if self._remembered is not None:
