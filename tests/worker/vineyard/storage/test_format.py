@@ -192,6 +192,35 @@ def test_corruption_at_rest_never_reaches_the_kv(small_cache: CacheHarness, kind
     assert h.counters()["corrupt_chunks"] == 1  # no new one
 
 
+def test_chunks_cut_short_one_behind_another_are_all_removed(
+    small_cache: CacheHarness,
+) -> None:
+    """A disk that fills mid-write can cut several chunks of one prefix
+    short: the lookup that stops at the first removes each damaged chunk
+    after it too (one it never reached would stay, as vineyard keeps a file
+    it finds at a chunk's path), so one save writes them all again."""
+    h = small_cache
+    tokens = make_tokens(SEQ_LEN)
+    src = h.save_tokens(tokens, SRC, "first")
+    entry = h.layout.entry_bytes
+    paths = [h.chunk_path(tokens, chunk) for chunk in (BAD, BAD + 1)]
+    for path in paths:
+        os.truncate(path, 4 + 4 * len(read_header_ids(path)) + entry // 2)
+    h.reset_counters()
+
+    good = BAD * CHUNK_SIZE
+    assert h.lookup(tokens) == (good, good)
+    assert h.counters()["corrupt_chunks"] == 2
+    assert not any(os.path.exists(path) for path in paths)
+
+    h.save_tokens(tokens, SRC, "again")
+    assert h.lookup(tokens) == (CACHED, CACHED)
+    dst = h.blocks_for(DST, SEQ_LEN)
+    before = h.kv.clone()
+    assert h.load(tokens, 0, CACHED, dst) == CACHED
+    h.check_loaded(before, src, dst, CACHED // h.block_size)
+
+
 # --------------------------------------------------------------------------
 # Hash collisions leave others' files alone
 # --------------------------------------------------------------------------

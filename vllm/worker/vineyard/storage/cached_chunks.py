@@ -38,14 +38,14 @@ def count_cached_chunks(
     ranks); files known unreadable (``avoid``, see
     :meth:`ChunkFiles.is_complete`) count as missing. Adds to ``counts``:
     ``lookup_stats``, and ``corrupt_chunks`` or ``path_collisions`` for a
-    file where a rank's lookup stopped (see :func:`_remove_if_damaged`)."""
-    bpc = rank_files[0].blocks_per_chunk if rank_files else 1
+    file where a rank's lookup stopped and each damaged one right after it
+    (see :func:`_remove_damaged_chunks`)."""
     cached = max_chunks
     for files in rank_files:
         found, stats = count_complete_chunks(files, ids, cached, avoid)
         counts["lookup_stats"] = counts.get("lookup_stats", 0) + stats
         if found < cached:
-            _remove_if_damaged(files, ids[: (found + 1) * bpc], counts, log)
+            _remove_damaged_chunks(files, ids, found, cached, counts, log)
         cached = found
     return cached
 
@@ -76,29 +76,49 @@ def count_complete_chunks(
     return found, next(calls)
 
 
+def _remove_damaged_chunks(
+    files: ChunkFiles,
+    ids: list[int],
+    first: int,
+    end: int,
+    counts: dict[str, int],
+    log: LogLimiter,
+) -> None:
+    """Remove chunk ``first`` if damaged, then each damaged chunk after it
+    up to ``end``: a write cut short (a full disk) can leave several chunks
+    of one prefix damaged, and one a lookup never reaches would never be
+    written again (vineyard keeps a file it finds at a chunk's path)."""
+    bpc = files.blocks_per_chunk
+    for chunk in range(first, end):
+        if not _remove_if_damaged(files, ids[: (chunk + 1) * bpc], counts, log):
+            return
+
+
 def _remove_if_damaged(
     files: ChunkFiles,
     ids: list[int],
     counts: dict[str, int],
     log: LogLimiter,
-) -> None:
+) -> bool:
     """A regular file where a lookup stopped, of neither vineyard's
     placeholder size (0) nor the chunk's, is a damaged chunk (vineyard
-    renames whole chunks into place, so no write is ever seen half done):
-    remove it, so that the next save writes the chunk again (vineyard keeps
-    a file it finds at a chunk's path). Unless it is another prefix's chunk
-    whose ids hash to the same path: that one is valid, and left alone."""
+    renames whole chunks into place, but a disk that fills mid-write can
+    leave one cut short): remove it, so that the next save writes the
+    chunk again (vineyard keeps a file it finds at a chunk's path). Unless
+    it is another prefix's chunk whose ids hash to the same path: that one
+    is valid, and left alone.
+    Whether a damaged file was removed."""
     path = files.path(ids)
     try:
         st = os.lstat(path)
     except OSError:
-        return  # missing: the common miss
+        return False  # missing: the common miss
     if not stat.S_ISREG(st.st_mode) or st.st_size in (0, files.file_bytes(len(ids))):
-        return
+        return False
     try:
         collision = files.holds_other_prefix(ids)
     except OSError:
-        return  # cannot be read now: not known to be bad
+        return False  # cannot be read now: not known to be bad
     if collision:
         counts["path_collisions"] = counts.get("path_collisions", 0) + 1
         log.warning(
@@ -117,3 +137,5 @@ def _remove_if_damaged(
             files.file_bytes(len(ids)),
             path,
         )
+        return True
+    return False
