@@ -291,6 +291,7 @@ class _RunnerRequest:
     tokens: list[int]
     block_ids: list[int]
     digests: list[bytes] = field(default_factory=list)
+    num_prompt: int = 0
 
 
 class FakeWorker:
@@ -367,11 +368,15 @@ class FakeWorker:
         for new in so.scheduled_new_reqs:
             assert new.prompt_token_ids is not None
             self.requests[new.req_id] = _RunnerRequest(
-                list(new.prompt_token_ids), list(new.block_ids[0])
+                list(new.prompt_token_ids),
+                list(new.block_ids[0]),
+                num_prompt=len(new.prompt_token_ids),
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
+            # A token sampled on blocks a load left empty was discarded.
+            del state.tokens[state.num_prompt + cached.num_output_tokens[i] :]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 assert new_ids is not None

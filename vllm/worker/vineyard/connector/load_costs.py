@@ -272,6 +272,11 @@ class LoadCosts:
         prompts' steps)."""
         return self._steps.per_token()
 
+    @property
+    def last_step_s(self) -> float:
+        """How long the engine's last step took (0 before the first)."""
+        return self._last_step_s
+
     def load_s(self, blocks: int) -> float | None:
         """The expected time of a load of ``blocks``, if known."""
         if not self._load_s_per_block:

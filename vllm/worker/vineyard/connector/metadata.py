@@ -44,6 +44,9 @@ class RequestDelta:
     # What the link's recent loads took per block: a read that waits many
     # times longer has stalled, and stops the load sooner (None: unknown).
     load_s_per_block: float | None = None
+    # Load before the forward pass, stopped after this long (None: while
+    # the request waits, reported finished by get_finished).
+    sync_wait_s: float | None = None
     digests_from: int = 0  # the index of new_digests[0] (0 after a reset)
 
 

@@ -51,6 +51,8 @@ class RequestState:
     load: tuple[int, int] | None = None  # to send: load tokens [start, end)
     load_blocks: list[int] = field(default_factory=list)
     loading: tuple[int, int] | None = None  # sent, not reported finished
+    # Its load's wait before its step's forward pass (None: asynchronous).
+    sync_wait_s: float | None = None
     # A load of this request came up short here: later lookups stop there
     # (vLLM asks again after a failed load; the same promise would fail).
     max_hit: int = NEVER

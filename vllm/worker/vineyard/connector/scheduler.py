@@ -6,8 +6,9 @@ It asks the cache how many more prompt tokens are cached (by file metadata,
 on background threads: the scheduler never waits on the filesystem),
 decides whether to load them (:mod:`.load_costs`), and tells the workers,
 per step, which cached blocks to load into which blocks and which blocks
-each running request has now. Loads are asynchronous: a request with a hit
-waits in ``WAITING_FOR_REMOTE_KVS`` while others run. Blocks are named by
+each running request has now (:mod:`.load_orders`: a cheap load before
+its step's forward pass, others while the request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS``). Blocks are named by
 chained digests of their token ids and whatever else determines their KV
 (:mod:`.request_keys`), computed here once and sent to the workers as
 deltas.
@@ -34,6 +35,7 @@ from vllm.worker.vineyard.config import VineyardLLMCacheConfig
 from vllm.worker.vineyard.connector.events import StorageEvents
 from vllm.worker.vineyard.connector.hit_timing import HitTimeline
 from vllm.worker.vineyard.connector.load_costs import LoadCosts, RememberedCosts
+from vllm.worker.vineyard.connector.load_orders import LoadOrders
 from vllm.worker.vineyard.connector.lookups import (
     STEP_WAIT_S,
     BackgroundLookups,
@@ -112,6 +114,7 @@ class VineyardConnectorScheduler:
             block_size, lambda: self.metrics, decide=config.load_policy == "auto"
         )
         self._remembered: RememberedCosts | None = None  # once handshaken
+        self._loads = LoadOrders(self._costs, block_size)
         ahead = config.read_ahead_buffers > 0
         self._read_aheads = ReadAheads(block_size, tp_size, prefix_caching, ahead)
         self._idle_metrics = VineyardCacheMetrics(config.metrics_enabled)
@@ -164,7 +167,7 @@ class VineyardConnectorScheduler:
     ) -> tuple[int | None, bool]:
         """``(tokens to load, True)``, or ``(None, False)``: ask again."""
         state = self._state_of(request)
-        state.load = None
+        state.load, state.sync_wait_s = None, None
         state.num_local_tokens = num_computed_tokens
         identified = state.keys is not None or state.save_from == NEVER
         if not (identified or self._identify(state)):
@@ -210,7 +213,9 @@ class VineyardConnectorScheduler:
             num_hit = ready
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
-        return num_hit, num_hit > 0
+        if num_hit > 0:  # loaded before its step's forward pass, if cheap
+            state.sync_wait_s = self._loads.sync_wait_s(num_hit - ready)
+        return num_hit, num_hit > 0 and state.sync_wait_s is None
 
     def _state_of(self, request: Request) -> RequestState:
         """The request's state, made on first sight: what it asked of the
@@ -286,6 +291,7 @@ class VineyardConnectorScheduler:
                 state.load_failed(
                     output.invalid_block_ids, self.block_size, self.chunk_size
                 )
+        self._loads.step_finished()
         for req_id in output.finished_recving or ():
             finished = self._requests.get(req_id)
             if finished is not None:
@@ -352,6 +358,7 @@ class VineyardConnectorScheduler:
             self._remembered.maybe_save()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
         meta.requests.extend(self._load_deltas())
+        self._loads.step_scheduled(scheduler_output.total_num_scheduled_tokens)
         for delta in meta.requests:
             self._read_aheads.computed(delta.new_digests)
         meta.read_aheads = self._read_aheads.orders(
@@ -371,8 +378,6 @@ class VineyardConnectorScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if state.timeline is not None and state.timeline.forward_scheduled():
-                self._forwarding.append(state)
             if state.save_from == NEVER:
                 continue  # not cacheable: the worker needs nothing
             late = state.late_lookup
@@ -388,20 +393,26 @@ class VineyardConnectorScheduler:
                 state.held_from = freed_blocks(
                     scheduler_output, req_id, 0 if replace else state.held_from
                 )
-            needed = num_computed // self.chunk_size * self.chunk_size
+            chunk = self.chunk_size  # a load reads every chunk it touches
+            needed = num_computed // chunk * chunk
+            if state.load is not None:
+                needed = max(needed, -(-state.load[1] // chunk) * chunk)
             digests_from, new_digests = state.take_digests(needed, self.block_size)
-            deltas.append(
-                RequestDelta(
-                    req_id=req_id,
-                    new_digests=new_digests,
-                    digests_from=digests_from,
-                    block_ids=blocks,
-                    replace_blocks=replace,
-                    num_computed_tokens=num_computed,
-                    save_from=state.save_from,
-                    held_from=state.held_from,
-                )
+            delta = RequestDelta(
+                req_id=req_id,
+                new_digests=new_digests,
+                digests_from=digests_from,
+                block_ids=blocks,
+                replace_blocks=replace,
+                num_computed_tokens=num_computed,
+                save_from=state.save_from,
+                held_from=state.held_from,
             )
+            if state.load is not None:
+                self._loads.send(delta, state)  # before this forward pass
+            if state.timeline is not None and state.timeline.forward_scheduled():
+                self._forwarding.append(state)
+            deltas.append(delta)
             state.blocks_replaced = False
         return deltas
 
@@ -416,24 +427,18 @@ class VineyardConnectorScheduler:
             digests_from, new_digests = state.take_digests(
                 -(-end // chunk) * chunk, self.block_size
             )
-            deltas.append(
-                RequestDelta(
-                    req_id=req_id,
-                    new_digests=new_digests,
-                    digests_from=digests_from,
-                    block_ids=state.load_blocks,
-                    replace_blocks=True,
-                    num_computed_tokens=start,
-                    save_from=state.save_from,
-                    held_from=state.held_from,
-                    load=state.load,
-                    compute_s_per_token=self._costs.stop_price(end - start),
-                    load_s_per_block=self._costs.load_s(1),
-                )
+            delta = RequestDelta(
+                req_id=req_id,
+                new_digests=new_digests,
+                digests_from=digests_from,
+                block_ids=state.load_blocks,
+                replace_blocks=True,
+                num_computed_tokens=start,
+                save_from=state.save_from,
+                held_from=state.held_from,
             )
-            state.loading, state.load = state.load, None
-            if state.timeline is not None:
-                state.timeline.sent()
+            self._loads.send(delta, state)
+            deltas.append(delta)
         return deltas
 
     def _forward_passes_ended(self) -> None:

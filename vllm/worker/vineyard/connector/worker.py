@@ -2,8 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The worker side of ``VineyardConnector`` (one per TP rank).
 
-Loads are asynchronous: :meth:`start_load_kv` hands the reads of the blocks
-the scheduler found cached to the reader backend and returns; each step
+Loads are asynchronous but for cheap ones the scheduler orders before a
+step's forward pass, which :meth:`start_load_kv` waits for (see
+:mod:`.load_orders`). Otherwise it hands the reads of the blocks the
+scheduler found cached to the reader backends and returns; each step
 collects the reads that arrived, copies them into place and reports the
 finished loads (:meth:`get_finished`) and the blocks that could not be
 loaded (:meth:`take_load_errors`), while the requests wait in vLLM's
@@ -129,6 +131,8 @@ def kv_layout_name(kv: torch.Tensor) -> str:
 #: layer's attention): a read answered mid-pass has the next one sent then,
 #: not at the pass's end, so a load of several reads finishes in one step.
 BETWEEN_LAYERS_POLL_S = 0.002
+#: How often a load before the forward pass is moved on while waited for.
+LOAD_NOW_POLL_S = 0.0005
 
 
 class VineyardConnectorWorker:
@@ -146,6 +150,10 @@ class VineyardConnectorWorker:
         self.cache: VineyardLLMCache | None = None
         self._requests: dict[str, _WorkerRequest] = {}
         self._load_errors: set[int] = set()
+        # Loads before this forward pass, and when each is stopped.
+        self._sync_loads: dict[str, float] = {}
+        self._unsaved: set[str] = set()  # ran on blocks a load left empty
+        self._finished_loading: set[str] = set()  # to report (asynchronous)
         self._could_load: bool | None = None  # as last reported
         self._resets = 0  # the scheduler's reset_cache calls, as seen
         self._polled_at = 0.0  # the last poll between layers (monotonic)
@@ -210,6 +218,7 @@ class VineyardConnectorWorker:
             self._resets = meta.resets
             self.cache.fence()
         self._update_requests(meta)
+        self._unsaved.clear()
         for order in meta.read_aheads:
             self.cache.loads.read_ahead(
                 order.req_id, order.digests, order.start, order.end
@@ -221,6 +230,10 @@ class VineyardConnectorWorker:
             if delta.load is not None:
                 state = self._requests[delta.req_id]
                 start, end = delta.load
+                stop_at = None
+                if delta.sync_wait_s is not None:
+                    stop_at = time.monotonic() + delta.sync_wait_s
+                    self._sync_loads[delta.req_id] = stop_at
                 self.cache.loads.start(
                     delta.req_id,
                     state.digests,
@@ -229,8 +242,26 @@ class VineyardConnectorWorker:
                     state.block_ids,
                     delta.compute_s_per_token,
                     delta.load_s_per_block,
+                    stop_at,
                 )
         self.cache.loads.poll()
+        for req_id, stop_at in list(self._sync_loads.items()):
+            self._load_now(req_id, stop_at)
+        self._take_finished_loads()
+
+    def _load_now(self, req_id: str, stop_at: float) -> None:
+        """Wait for a load ordered before this forward pass: it finishes, or
+        is stopped where it is at ``stop_at`` (the blocks it left are
+        reported in this step; vLLM recomputes its request from there)."""
+        assert self.cache is not None
+        loads = self.cache.loads
+        while loads.loading(req_id):
+            if time.monotonic() >= stop_at:
+                loads.poll()  # judged: a load past its stop_at stops
+                return
+            loads.poll(judge=False)
+            if loads.loading(req_id):
+                time.sleep(LOAD_NOW_POLL_S)
 
     def between_layers(self) -> None:
         """vLLM's hook before a layer's attention: loads move on (answers
@@ -259,30 +290,42 @@ class VineyardConnectorWorker:
             for delta in meta.requests
             # A request waiting for its load has nothing new computed.
             if not self.cache.loads.loading(delta.req_id)
+            and delta.req_id not in self._unsaved
         ]
         self.cache.saves.save(saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose loads finished (loaded, short or cancelled)
         since the last call; forgets the requests vLLM finished."""
-        finished_loading: set[str] = set()
         if self.cache is not None:
             for req_id in finished_req_ids:
                 self.cache.loads.cancel(req_id)  # aborted while loading
             self.cache.loads.poll()
-            bs = self.cache.layout.block_size
-            for req_id, loaded, end in self.cache.loads.take_finished():
-                finished_loading.add(req_id)
-                state = self._requests.get(req_id)
-                if loaded < end and state is not None:
-                    # vLLM recomputes from the first of these blocks, and
-                    # the scheduler has them saved again on every rank.
-                    self._load_errors.update(state.block_ids[loaded // bs : end // bs])
+            self._take_finished_loads()
+        finished_loading, self._finished_loading = self._finished_loading, set()
         for req_id in finished_req_ids:
             self._requests.pop(req_id, None)
             if self.cache is not None:
                 self.cache.saves.release(req_id)
         return finished_loading
+
+    def _take_finished_loads(self) -> None:
+        """The loads that finished: the blocks each left are reported (vLLM
+        recomputes from the first, and the scheduler has them saved again
+        on every rank); an asynchronous one is reported finished by
+        :meth:`get_finished`; a synchronous one that came up short saves
+        nothing in this step (its forward pass ran on the blocks it left)."""
+        assert self.cache is not None
+        bs = self.cache.layout.block_size
+        for req_id, loaded, end in self.cache.loads.take_finished():
+            sync = self._sync_loads.pop(req_id, None) is not None
+            if not sync:
+                self._finished_loading.add(req_id)
+            state = self._requests.get(req_id)
+            if loaded < end and state is not None:
+                self._load_errors.update(state.block_ids[loaded // bs : end // bs])
+                if sync:
+                    self._unsaved.add(req_id)
 
     def build_report(self) -> VineyardWorkerReport | None:
         """What happened since the last report: what this rank's writes

@@ -97,6 +97,8 @@ class LoadJob:
     # load slower than computing the rest is stopped; None: never stopped.
     compute_s_per_token: float | None = None
     load_s_per_block: float | None = None  # the link's recent price
+    # A load before its step's forward pass: stopped then (monotonic).
+    stop_at: float | None = None
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
     stopped_slow: bool = False  # slower than computing: the rest computed
@@ -110,7 +112,8 @@ class LoadJob:
     copy_s: float = 0.0
 
     def runs_slow(self, waiting: SegmentRead | None, now: float, bs: int) -> bool:
-        """Whether it runs slower than computing the rest: the blocks read
+        """Whether it runs slower than computing the rest (or is past its
+        ``stop_at``): the blocks read
         so far (with :data:`PRICED_BLOCKS` more at the link's recent price,
         where known) took longer per block than computing a block, or
         ``waiting`` (its next answer's read, sent at monotonic time) has
@@ -120,6 +123,8 @@ class LoadJob:
         :data:`WAIT_SHARE` of computing the blocks left, not counting its
         reader's wait for a CPU (asked only then; the reader moves to every
         core)."""
+        if self.stop_at is not None and now >= self.stop_at:
+            return True
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:

@@ -108,6 +108,7 @@ class LoadPipeline:
         block_ids: Sequence[int],
         compute_s_per_token: float | None = None,
         load_s_per_block: float | None = None,
+        stop_at: float | None = None,
     ) -> None:
         """Begin loading the cached KV of tokens ``[start, end)`` into the
         request's blocks (``digests`` and ``block_ids`` cover the request
@@ -116,7 +117,8 @@ class LoadPipeline:
         :meth:`take_finished` reports it. With ``compute_s_per_token``, a
         load that runs slower than computing the rest stops at a chunk
         boundary (the rest is computed); ``load_s_per_block`` (the link's
-        recent price) tells a stalled read sooner.
+        recent price) tells a stalled read sooner; one not done by ``stop_at``
+        (monotonic) stops there.
 
         ``start`` and ``end`` are block-aligned. Vineyard reads whole chunks,
         from the chunk boundary at or before ``start`` to the one at or after
@@ -150,6 +152,7 @@ class LoadPipeline:
         job.loaded = job.start
         job.compute_s_per_token = compute_s_per_token
         job.load_s_per_block = load_s_per_block
+        job.stop_at = stop_at
         self._jobs[req_id] = job
         if job.next_segment < len(job.segments):
             self._queue.append(job)

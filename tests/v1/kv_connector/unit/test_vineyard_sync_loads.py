@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Loads before the forward pass of the step that schedules their request
+(vLLM's synchronous loads), on vLLM's real ``Scheduler`` with a real worker
+side on a real root: a hit expected to load within a small share of a step
+is loaded so and computed in that step; a dearer one waits in
+``WAITING_FOR_REMOTE_KVS`` for a step; one that comes up short reports its
+blocks in that step, vLLM recomputes them, and nothing that step computed
+on them is saved."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.v1.request import Request, RequestStatus
+
+from tests.v1.kv_connector.unit.test_vineyard_load_costs import (
+    FakeClock,
+    connector_costs,
+    feed_loads,
+    first_scheduled,
+)
+from tests.v1.kv_connector.unit.vineyard_connector_testing import fresh_tokens
+from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
+    BLOCK_SIZE,
+    Engine,
+    FakeWorker,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    expected_blocks,
+    make_model_dir,
+)
+from vllm.worker.vineyard.connector import load_orders
+from vllm.worker.vineyard.connector.load_orders import SYNC_LOAD_STEP_SHARE
+from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+from vllm.worker.vineyard.transfer.saves import SaveRequest
+
+pytestmark = pytest.mark.timeout(180)
+
+CHUNK = 2 * BLOCK_SIZE
+HIT = 8 * BLOCK_SIZE  # tokens: four chunks
+#: Computing priced at 10 ms a token: steps of 1.28 s (the fed ones).
+COMPUTE_S_PER_TOKEN = 1e-2
+STEP_S = COMPUTE_S_PER_TOKEN * 4 * 32
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[Engine, FakeWorker]]:
+    config = create_vllm_config(
+        make_model_dir(tmp_path / "model"),
+        tmp_path / "root",
+        chunk_size=CHUNK,
+        enable_prefix_caching=False,
+        load_policy="auto",
+    )
+    worker = FakeWorker(config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        yield engine, worker
+    finally:
+        engine.close()
+        worker.close()
+
+
+def saved_hit(engine: Engine, worker: FakeWorker, load_s_per_token: float) -> list[int]:
+    """A prompt whose first ``HIT`` tokens are saved; loads priced at
+    ``load_s_per_token``; the worker's KV blanked (only a load fills it)."""
+    costs = connector_costs(engine, FakeClock(), COMPUTE_S_PER_TOKEN)
+    prompt = fresh_tokens(HIT + 1)
+    assert first_scheduled(engine, "saved", prompt) == 0
+    worker.wait_for_writes()
+    feed_loads(costs, FakeClock(), load_s_per_token)
+    worker.kv.fill_(-1.0)
+    return prompt
+
+
+def add_looked_up(engine: Engine, req_id: str, prompt: list[int]) -> Request:
+    request = engine.add(create_request(req_id, prompt))
+    connector = engine.scheduler.connector
+    assert isinstance(connector, VineyardConnector)
+    lookups = connector._scheduler._lookup  # type: ignore[union-attr]
+    assert lookups is not None and lookups._jobs[req_id].done.wait(30.0)
+    return request
+
+
+@pytest.mark.parametrize(
+    "load_s_per_token,in_its_step",
+    [
+        (1e-6, True),
+        # A load of the hit takes twice the share of a step: a step later.
+        (2 * SYNC_LOAD_STEP_SHARE * STEP_S / HIT, False),
+    ],
+)
+def test_a_cheap_hit_is_loaded_and_computed_in_one_step(
+    engine: tuple[Engine, FakeWorker], load_s_per_token: float, in_its_step: bool
+) -> None:
+    eng, worker = engine
+    prompt = saved_hit(eng, worker, load_s_per_token)
+    request = add_looked_up(eng, "hit", prompt)
+    record = eng.run_until(lambda r: "hit" in r.loads())
+    assert (record.loads()["hit"].sync_wait_s is not None) == in_its_step
+    assert (record.num_scheduled("hit") > 0) == in_its_step
+    if in_its_step:
+        assert request.status == RequestStatus.RUNNING
+        assert "hit" not in (record.kv_output.finished_recving or ())
+    else:
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        record = eng.run_until(lambda r: r.num_scheduled("hit") > 0)
+    new = record.new_request("hit")
+    assert new is not None and new.num_computed_tokens == HIT
+    block_ids = worker.requests["hit"].block_ids[: HIT // BLOCK_SIZE]
+    assert torch.equal(
+        worker.blocks(block_ids), expected_blocks(prompt, HIT // BLOCK_SIZE)
+    )
+    eng.drain()
+    assert eng.counter("loaded_tokens") == HIT
+    assert eng.counter("load_errors") == 0
+
+
+def test_a_short_load_in_its_step_is_recomputed_and_not_saved(
+    engine: tuple[Engine, FakeWorker],
+) -> None:
+    """A chunk file removed after the lookup found it: the load before the
+    forward pass stops there, its blocks from there are reported in that
+    step, vLLM recomputes them (the request's blocks hold its KV), the
+    step saves nothing of the request, and a later save writes the chunk
+    again."""
+    eng, worker = engine
+    prompt = saved_hit(eng, worker, 1e-6)
+    add_looked_up(eng, "short", prompt)
+    os.remove(worker.chunk_path(prompt, 2))
+    saves: list[Sequence[SaveRequest]] = []
+    save = worker.cache.saves.save
+
+    def recorded_save(requests: Sequence[SaveRequest]) -> bool:
+        saves.append(requests)
+        return save(requests)
+
+    worker.cache.saves.save = recorded_save  # type: ignore[method-assign]
+
+    record = eng.run_until(lambda r: "short" in r.loads())
+    assert record.loads()["short"].sync_wait_s is not None
+    block_ids = worker.requests["short"].block_ids
+    lost = set(block_ids[2 * CHUNK // BLOCK_SIZE : HIT // BLOCK_SIZE])
+    assert record.kv_output.invalid_block_ids == lost
+    assert not any(s.req_id == "short" for s in saves[-1])
+    eng.drain()
+    assert eng.counter("load_errors") == 1
+    assert eng.counter("loaded_tokens") == 2 * CHUNK
+    finished_blocks, finished_kv = worker.finished["short"]
+    assert finished_blocks[: HIT // BLOCK_SIZE] == block_ids[: HIT // BLOCK_SIZE]
+    n = HIT // BLOCK_SIZE
+    assert torch.equal(finished_kv[:, :n], expected_blocks(prompt, n))
+
+    worker.wait_for_writes()
+    assert os.path.exists(worker.chunk_path(prompt, 2))  # saved again
+    worker.kv.fill_(-1.0)
+    add_looked_up(eng, "again", prompt)
+    record = eng.run_until(lambda r: r.num_scheduled("again") > 0)
+    new = record.new_request("again")
+    assert new is not None and new.num_computed_tokens == HIT
+    again = worker.requests["again"].block_ids[:n]
+    assert torch.equal(worker.blocks(again), expected_blocks(prompt, n))
+
+
+def test_a_load_in_its_step_stops_when_its_wait_is_over(
+    engine: tuple[Engine, FakeWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load before the forward pass that is not done when its wait is
+    over (none here) stops where it is: the forward pass is not held up, the
+    blocks it left are reported in that step and recomputed (counted as a
+    load stopped for speed), and the request's KV is whole."""
+    eng, worker = engine
+    prompt = saved_hit(eng, worker, 1e-6)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_FACTOR", 0.0)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_SLACK_S", 0.0)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_STEPS", 0.0)
+    add_looked_up(eng, "stopped", prompt)
+    record = eng.run_until(lambda r: "stopped" in r.loads())
+    assert record.loads()["stopped"].sync_wait_s == 0.0
+    assert record.kv_output.invalid_block_ids
+    eng.drain()
+    assert eng.counter("loads_stopped_slow") == 1
+    assert eng.counter("loaded_tokens") < HIT
+    assert eng.counter("load_errors") == 0
+    n = HIT // BLOCK_SIZE
+    _, finished_kv = worker.finished["stopped"]
+    assert torch.equal(finished_kv[:, :n], expected_blocks(prompt, n))
