@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     make_model_dir,
 )
 from vllm.worker.vineyard.connector import load_orders
-from vllm.worker.vineyard.connector.load_orders import SYNC_LOAD_STEP_SHARE
+from vllm.worker.vineyard.connector.load_orders import LoadOrders
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 
@@ -92,8 +93,9 @@ def add_looked_up(engine: Engine, req_id: str, prompt: list[int]) -> Request:
     "load_s_per_token,in_its_step",
     [
         (1e-6, True),
-        # A load of the hit takes twice the share of a step: a step later.
-        (2 * SYNC_LOAD_STEP_SHARE * STEP_S / HIT, False),
+        # A load of the hit takes 3/4 of a step (more than the largest
+        # share), still faster than computing it: a step later.
+        (0.75 * STEP_S / HIT, False),
     ],
 )
 def test_a_cheap_hit_is_loaded_and_computed_in_one_step(
@@ -191,3 +193,25 @@ def test_a_load_in_its_step_stops_when_its_wait_is_over(
     n = HIT // BLOCK_SIZE
     _, finished_kv = worker.finished["stopped"]
     assert torch.equal(finished_kv[:, :n], expected_blocks(prompt, n))
+
+
+@pytest.mark.parametrize("requests,loads", [(0, 32), (1, 32), (3, 16), (9, 6)])
+def test_a_steps_loads_may_take_a_step_divided_by_its_requests(
+    requests: int, loads: int
+) -> None:
+    """A step of 1 s with ``requests`` requests before: loads of 1/64 s each
+    are made before the forward pass until they would take more than a
+    step divided by one more request than that (half a step at most)."""
+    costs = SimpleNamespace(last_step_s=1.0, load_s=lambda blocks: blocks / 64)
+    orders = LoadOrders(costs, BLOCK_SIZE)  # type: ignore[arg-type]
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=requests,
+        num_scheduled_tokens={f"r{i}": 1 for i in range(requests)},
+    )
+    orders.step_scheduled(step)  # type: ignore[arg-type]
+    made = 0
+    while orders.sync_wait_s(BLOCK_SIZE) is not None:
+        made += 1
+    assert made == loads
+    orders.step_scheduled(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]
+    assert orders.sync_wait_s(BLOCK_SIZE) is not None  # a new step's budget

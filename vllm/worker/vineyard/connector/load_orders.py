@@ -8,8 +8,11 @@ earliest, so its request is computed a whole step later: in a busy engine,
 a step of the other requests' prefills. A hit whose load is expected to
 take a small share of a step is instead loaded by the workers before that
 step's forward pass, and its request computed in the same step; every
-request in the step waits for the load, which is why the step's loads may
-take :data:`SYNC_LOAD_STEP_SHARE` of it in all. A load that takes much
+other request in the step waits for the load meanwhile. So a step's loads
+are made so while they are expected to take at most a step divided by the
+requests in it (one more than in the last step), and at most
+:data:`MAX_SYNC_LOAD_STEP_SHARE` of a step: then the others' wait in all is
+less than the step the request would wait loaded asynchronously. A load that takes much
 longer than expected (see :data:`SYNC_WAIT_STEPS`) stops where it is, and
 vLLM recomputes the rest of its request (its failed blocks are reported in
 the same step)."""
@@ -23,11 +26,13 @@ from vllm.worker.vineyard.connector.metadata import RequestDelta
 from vllm.worker.vineyard.connector.request_state import RequestState
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
     from vllm.worker.vineyard.connector.load_costs import LoadCosts
 
-#: The share of the engine's last step that a step's loads before its
-#: forward pass may be expected to take, in all.
-SYNC_LOAD_STEP_SHARE = 0.1
+#: The largest share of the engine's last step that a step's loads before
+#: its forward pass may be expected to take, in all (see the module).
+MAX_SYNC_LOAD_STEP_SHARE = 0.5
 #: A load before a forward pass is waited for this many times its expected
 #: time plus :data:`SYNC_WAIT_SLACK_S`, or :data:`SYNC_WAIT_STEPS` times the
 #: engine's last step, whichever is longer (its readers may wait for a busy
@@ -48,6 +53,7 @@ class LoadOrders:
         self._costs = costs
         self._block_size = block_size
         self._planned_s = 0.0  # expected time of this step's loads so far
+        self._last_requests = 0  # requests in the last step with tokens
         self._step: list[RequestState] = []
         # Per step whose output is outstanding, its synchronous loads.
         self._in_flight: collections.deque[list[RequestState]] = collections.deque()
@@ -59,7 +65,8 @@ class LoadOrders:
         asynchronously."""
         load_s = self._costs.load_s(tokens_to_read // self._block_size)
         step_s = self._costs.last_step_s
-        if load_s is None or self._planned_s + load_s > SYNC_LOAD_STEP_SHARE * step_s:
+        share = min(MAX_SYNC_LOAD_STEP_SHARE, 1 / (self._last_requests + 1))
+        if load_s is None or self._planned_s + load_s > share * step_s:
             return None
         self._planned_s += load_s
         return max(
@@ -82,11 +89,12 @@ class LoadOrders:
             if state.timeline is not None:  # loaded before its forward pass
                 state.timeline.finished_loading()
 
-    def step_scheduled(self, num_tokens: int) -> None:
+    def step_scheduled(self, step: SchedulerOutput) -> None:
         """The step was scheduled (vLLM reports no output for a step
         without tokens, and a request loaded in its step is scheduled)."""
         self._planned_s = 0.0
-        if num_tokens > 0:
+        if step.total_num_scheduled_tokens > 0:
+            self._last_requests = len(step.num_scheduled_tokens)
             if len(self._in_flight) == MAX_STEPS_IN_FLIGHT:
                 self._done(self._in_flight.popleft())  # its output never came
             self._in_flight.append(self._step)

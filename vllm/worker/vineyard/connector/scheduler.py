@@ -358,7 +358,7 @@ class VineyardConnectorScheduler:
             self._remembered.maybe_save()
         meta.requests.extend(self._scheduled_deltas(scheduler_output))
         meta.requests.extend(self._load_deltas())
-        self._loads.step_scheduled(scheduler_output.total_num_scheduled_tokens)
+        self._loads.step_scheduled(scheduler_output)
         for delta in meta.requests:
             self._read_aheads.computed(delta.new_digests)
         meta.read_aheads = self._read_aheads.orders(
