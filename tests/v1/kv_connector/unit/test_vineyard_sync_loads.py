@@ -150,7 +150,9 @@ def test_a_short_load_in_its_step_is_recomputed_and_not_saved(
     block_ids = worker.requests["short"].block_ids
     lost = set(block_ids[2 * CHUNK // BLOCK_SIZE : HIT // BLOCK_SIZE])
     assert record.kv_output.invalid_block_ids == lost
-    assert not any(s.req_id == "short" for s in saves[-1])
+    # No rank saves what the step computed on the blocks the load left.
+    (held,) = [s for s in saves[-1] if s.req_id == "short"]
+    assert held.save_from >= held.num_computed_tokens
     eng.drain()
     assert eng.counter("load_errors") == 1
     assert eng.counter("loaded_tokens") == 2 * CHUNK

@@ -70,6 +70,16 @@ class RequestState:
     computed_for_speed: bool | None = None
     late_lookup: bool = False  # computed before its lookup was in
 
+    @property
+    def saves_from(self) -> int:
+        """Where the workers save the running request from: nowhere while a
+        load before its forward pass is out (it may come up short on any
+        rank, and the pass ran on what it left: nothing is saved until vLLM
+        reported the step)."""
+        if self.load is not None or self.loading is not None:
+            return NEVER
+        return self.save_from
+
     def record_stored(self, rank: int, begin: int, end: int, tp_size: int) -> None:
         """A rank's write stored tokens ``[begin, end)`` (writes finish in
         order, so the rank's saved prefix grows when a run continues it)."""

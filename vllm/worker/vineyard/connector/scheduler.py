@@ -405,7 +405,7 @@ class VineyardConnectorScheduler:
                 block_ids=blocks,
                 replace_blocks=replace,
                 num_computed_tokens=num_computed,
-                save_from=state.save_from,
+                save_from=state.saves_from,
                 held_from=state.held_from,
             )
             if state.load is not None:

@@ -152,7 +152,6 @@ class VineyardConnectorWorker:
         self._load_errors: set[int] = set()
         # Loads before this forward pass, and when each is stopped.
         self._sync_loads: dict[str, float] = {}
-        self._unsaved: set[str] = set()  # ran on blocks a load left empty
         self._finished_loading: set[str] = set()  # to report (asynchronous)
         self._could_load: bool | None = None  # as last reported
         self._resets = 0  # the scheduler's reset_cache calls, as seen
@@ -218,7 +217,6 @@ class VineyardConnectorWorker:
             self._resets = meta.resets
             self.cache.fence()
         self._update_requests(meta)
-        self._unsaved.clear()
         for order in meta.read_aheads:
             self.cache.loads.read_ahead(
                 order.req_id, order.digests, order.start, order.end
@@ -290,7 +288,6 @@ class VineyardConnectorWorker:
             for delta in meta.requests
             # A request waiting for its load has nothing new computed.
             if not self.cache.loads.loading(delta.req_id)
-            and delta.req_id not in self._unsaved
         ]
         self.cache.saves.save(saves)
 
@@ -313,8 +310,7 @@ class VineyardConnectorWorker:
         """The loads that finished: the blocks each left are reported (vLLM
         recomputes from the first, and the scheduler has them saved again
         on every rank); an asynchronous one is reported finished by
-        :meth:`get_finished`; a synchronous one that came up short saves
-        nothing in this step (its forward pass ran on the blocks it left)."""
+        :meth:`get_finished`."""
         assert self.cache is not None
         bs = self.cache.layout.block_size
         for req_id, loaded, end in self.cache.loads.take_finished():
@@ -324,8 +320,6 @@ class VineyardConnectorWorker:
             state = self._requests.get(req_id)
             if loaded < end and state is not None:
                 self._load_errors.update(state.block_ids[loaded // bs : end // bs])
-                if sync:
-                    self._unsaved.add(req_id)
 
     def build_report(self) -> VineyardWorkerReport | None:
         """What happened since the last report: what this rank's writes
