@@ -43,6 +43,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     create_vllm_config,
     epoch_of,
     make_model_dir,
+    running,
 )
 from tests.vineyard_testing import resume_processes
 from vllm.worker.vineyard.connector.removals import RESET_WAIT_S
@@ -89,17 +90,12 @@ def rig(tmp_path: Path) -> Iterator[tuple[Engine, FakeWorker]]:
     worker_config = create_vllm_config(
         model, tmp_path / "root", ttl_s=1.0, sweep_interval_s=0.2
     )
-    worker = FakeWorker(worker_config)
     config = create_vllm_config(model, tmp_path / "root")
     config.kv_events_config = KVEventsConfig(
         enable_kv_cache_events=True, publisher="null"
     )
-    engine = Engine(create_scheduler(config), worker)
-    try:
-        yield engine, worker
-    finally:
-        engine.close()
-        worker.close()
+    with running(config, worker_config) as rig:
+        yield rig
 
 
 def test_saved_blocks_are_announced_then_their_expiry(

@@ -31,10 +31,10 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     Engine,
     FakeWorker,
     create_request,
-    create_scheduler,
     create_vllm_config,
     expected_blocks,
     make_model_dir,
+    running,
 )
 from vllm.worker.vineyard.connector import load_orders
 from vllm.worker.vineyard.connector.load_orders import LoadOrders
@@ -59,13 +59,8 @@ def engine(tmp_path: Path) -> Iterator[tuple[Engine, FakeWorker]]:
         enable_prefix_caching=False,
         load_policy="auto",
     )
-    worker = FakeWorker(config)
-    engine = Engine(create_scheduler(config), worker)
-    try:
-        yield engine, worker
-    finally:
-        engine.close()
-        worker.close()
+    with running(config) as rig:
+        yield rig
 
 
 def saved_hit(engine: Engine, worker: FakeWorker, load_s_per_token: float) -> list[int]:

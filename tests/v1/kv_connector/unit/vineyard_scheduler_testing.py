@@ -17,11 +17,12 @@ connector in the order of vLLM's ``KVConnectorModelRunnerMixin``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -545,6 +546,21 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.shutdown()
+
+
+@contextlib.contextmanager
+def running(
+    config: VllmConfig, worker_config: VllmConfig | None = None
+) -> Iterator[tuple[Engine, FakeWorker]]:
+    """An ``Engine`` of vLLM's scheduler on ``config`` and a worker (on
+    ``worker_config``, by default the same), both closed afterwards."""
+    worker = FakeWorker(worker_config or config)
+    engine = Engine(create_scheduler(config), worker)
+    try:
+        yield engine, worker
+    finally:
+        engine.close()
+        worker.close()
 
 
 def epoch_of(engine: Engine) -> str | None:
