@@ -258,12 +258,16 @@ def hit_breakdown(run: EngineRun, index: int, ttft_s: float) -> dict[str, Any]:
         count0, total0 = run.rounds[index - 1].histogram(full)
         phases[name], counts[name] = total - total0, count - count0
     # HIT_PHASES add up; the workers' own time of the load (``load_s``)
-    # is a part of ``hit_load_s``, read, verify and copy parts of that.
+    # is a part of ``hit_load_s``, read, verify and copy parts of that; of
+    # ``hit_forward_s`` for a load before the forward pass (``sync``).
     accounted = sum(phases[name] for name in HIT_PHASES)
+    sync = run.delta(index, "loads_before_forward") > 0
+    load_phase = phases["hit_forward_s" if sync else "hit_load_s"]
     return {
         "phases_s": phases,
         "counts": counts,
-        "load_other_s": phases["hit_load_s"] - sum(phases[p] for p in LOAD_PARTS),
+        "sync": sync,
+        "load_other_s": load_phase - sum(phases[p] for p in LOAD_PARTS),
         "accounted_s": accounted,
         "ttft_s": ttft_s,
         "accounted_share": accounted / ttft_s,
@@ -472,7 +476,8 @@ def print_model(res: dict[str, Any]) -> None:
               f"{extra}")  # fmt: skip
     print("where a hit's time goes (async, ms; load = read + verify + copy + "
           "other, where a negative other is the copies' overlap with the next "
-          "segment's read; rest: the front end's)")  # fmt: skip
+          "segment's read; *: loaded before its forward pass, so forward = "
+          "read + verify + copy + other; rest: the front end's)")  # fmt: skip
     names = ("queue", "lookup", "to load", "load", "read", "verify", "copy",
              "other", "promote", "forward", "TTFT", "rest")  # fmt: skip
     print(f"  {'tokens':>6} " + " ".join(f"{n:>7}" for n in names))
@@ -482,7 +487,9 @@ def print_model(res: dict[str, Any]) -> None:
         values = [ph[p] for p in HIT_PHASES[:4]] + [ph[p] for p in LOAD_PARTS]
         values += [b["load_other_s"], ph["hit_promotion_s"], ph["hit_forward_s"]]
         values += [b["ttft_s"], b["ttft_s"] - b["accounted_s"]]
-        print(f"  {row['tokens']:6d} " + " ".join(f"{v * 1e3:7.1f}" for v in values))
+        mark = "*" if b["sync"] else " "
+        cells = " ".join(f"{v * 1e3:7.1f}" for v in values)
+        print(f"  {row['tokens']:5d}{mark} {cells}")
     a = f["configs"]["async"]
     print("targets: "
           f"recompute <= block + 1: {a['most_recomputed'] <= f['block_size'] + 1}; "

@@ -67,6 +67,9 @@ COUNTERS: dict[str, str] = {
     "counts its hit only if the lookup was in.",
     "loads_stopped_slow": "Loads stopped at a chunk boundary because they ran "
     "slower than computing the rest; the rest was computed.",
+    "loads_before_forward": "Hits loaded before the forward pass of the step "
+    "that scheduled their request, which was computed in that step (cheap "
+    "loads; the others load while their requests wait).",
     "read_ahead_tokens": "Cached tokens read while their request was queued, "
     "then loaded by it (loads that had them at once).",
     "read_ahead_unused_tokens": "Cached tokens read while their request was "

@@ -408,8 +408,9 @@ class VineyardConnectorScheduler:
                 save_from=state.saves_from,
                 held_from=state.held_from,
             )
-            if state.load is not None:
-                self._loads.send(delta, state)  # before this forward pass
+            if state.load is not None:  # loaded before this forward pass
+                self._loads.send(delta, state)
+                self.metrics.add("loads_before_forward")
             if state.timeline is not None and state.timeline.forward_scheduled():
                 self._forwarding.append(state)
             deltas.append(delta)
