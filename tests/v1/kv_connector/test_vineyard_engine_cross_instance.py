@@ -127,7 +127,12 @@ def test_second_instance_loads_to_the_block(
     ]
     # "other" shares nothing with anything B computed: all of it external.
     assert b.delta(1, "hit_tokens") >= cacheable_prefix(len(prompts["other"]))
-    assert b.last.counter("loaded_tokens") == b.last.counter("hit_tokens")
+    # Every hit is loaded, but for a load stopped as slow (a starved reader
+    # on a busy machine), whose rest was computed and counted.
+    loaded = b.last.counter("loaded_tokens")
+    assert loaded + b.last.counter("tokens_not_loaded_slow") == b.last.counter(
+        "hit_tokens"
+    )
     assert b.last.counter("load_errors") == 0
 
 

@@ -180,6 +180,26 @@ def test_a_stalled_last_read_waits_as_long_as_computing_its_blocks(
     assert load.runs_slow(waiting(load, 4, 1.1 * SEGMENT * BS * COMPUTE_S), 100.0, BS)
 
 
+@pytest.mark.parametrize(
+    ("reading", "cpu_wait_s", "slow"),
+    [
+        (False, 0.0, True),  # past its stop, nothing in flight
+        (True, 0.0, True),  # past its stop, its read had a CPU
+        (True, 0.05, True),  # 0.15 s with a CPU: 0.05 s past its stop
+        (True, 0.15, False),  # 0.05 s with a CPU: not yet at its stop
+    ],
+)
+def test_a_load_before_the_forward_pass_stops_at_its_time(
+    reading: bool, cpu_wait_s: float, slow: bool
+) -> None:
+    """A synchronous load's stop (0.1 s after its read was sent) moves by
+    its reader's wait for a CPU; the read itself is well within patience."""
+    load = job(1, None)
+    load.stop_at = 99.9
+    read = waiting(load, 1, 0.2, Reader(cpu_wait_s)) if reading else None
+    assert load.runs_slow(read, 100.0, BS) is slow
+
+
 def test_without_a_compute_price_never_slow() -> None:
     load = job(1, 1e-3)
     load.compute_s_per_token = None

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 MAX_SYNC_LOAD_STEP_SHARE = 0.5
 #: A load before a forward pass is waited for this many times its expected
 #: time plus :data:`SYNC_WAIT_SLACK_S`, or :data:`SYNC_WAIT_STEPS` times the
-#: engine's last step, whichever is longer (its readers may wait for a busy
-#: CPU); then it stops where it is. Loaded asynchronously, its request would
-#: have waited a step.
+#: engine's last step, whichever is longer, not counting its reader's wait
+#: for a CPU (computing the rest would wait for one too); then it stops where
+#: it is. Loaded asynchronously, its request would have waited a step.
 SYNC_WAIT_FACTOR = 4.0
 SYNC_WAIT_SLACK_S = 0.02
 SYNC_WAIT_STEPS = 1.0

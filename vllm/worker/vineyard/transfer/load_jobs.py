@@ -97,7 +97,8 @@ class LoadJob:
     # load slower than computing the rest is stopped; None: never stopped.
     compute_s_per_token: float | None = None
     load_s_per_block: float | None = None  # the link's recent price
-    # A load before its step's forward pass: stopped then (monotonic).
+    # A load before its step's forward pass: stopped then (monotonic; its
+    # waiting reader's wait for a CPU moves it later).
     stop_at: float | None = None
     cancelled: bool = False
     fenced: bool = False  # a reset came: nothing it read is used
@@ -113,7 +114,8 @@ class LoadJob:
 
     def runs_slow(self, waiting: SegmentRead | None, now: float, bs: int) -> bool:
         """Whether it runs slower than computing the rest (or is past its
-        ``stop_at``): the blocks read
+        ``stop_at``, not counting the waiting read's reader's wait for a
+        CPU: computing the rest would wait for one too): the blocks read
         so far (with :data:`PRICED_BLOCKS` more at the link's recent price,
         where known) took longer per block than computing a block, or
         ``waiting`` (its next answer's read, sent at monotonic time) has
@@ -124,7 +126,11 @@ class LoadJob:
         reader's wait for a CPU (asked only then; the reader moves to every
         core)."""
         if self.stop_at is not None and now >= self.stop_at:
-            return True
+            if waiting is None:
+                return True
+            cpu_wait_s = min(waiting.reader.cpu_wait_s(), now - waiting.sent_at)
+            if now - cpu_wait_s >= self.stop_at:
+                return True
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
