@@ -46,6 +46,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
     make_model_dir,
 )
 from tests.vineyard_testing import resume_processes, wait_until
+from vllm.worker.vineyard.connector.load_orders import LoadOrders
 from vllm.worker.vineyard.connector.lookups import VineyardCacheLookup
 from vllm.worker.vineyard.connector.metadata import VineyardConnectorMetadata
 from vllm.worker.vineyard.storage.digests import extend_digests
@@ -109,7 +110,11 @@ class Rig:
 
 
 @pytest.fixture
-def rig(model_dir: str, root: Path) -> Iterator[Rig]:
+def rig(model_dir: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
+    """Engines whose loads are all asynchronous (the request waits in
+    ``WAITING_FOR_REMOTE_KVS``); loads before the forward pass are tested
+    in ``test_vineyard_sync_loads.py``."""
+    monkeypatch.setattr(LoadOrders, "sync_wait_s", lambda *_: None)
     made = Rig(model_dir, root)
     yield made
     made.close()

@@ -85,19 +85,27 @@ def add_looked_up(engine: Engine, req_id: str, prompt: list[int]) -> Request:
 
 
 @pytest.mark.parametrize(
-    "load_s_per_token,in_its_step",
+    "load_s_per_token,alone,in_its_step",
     [
-        (1e-6, True),
+        (1e-6, False, True),
         # A load of the hit takes 3/4 of a step (more than the largest
-        # share), still faster than computing it: a step later.
-        (0.75 * STEP_S / HIT, False),
+        # share), still faster than computing it: a step later, unless
+        # the request is alone in the engine (it delays no other).
+        (0.75 * STEP_S / HIT, False, False),
+        (0.75 * STEP_S / HIT, True, True),
     ],
 )
 def test_a_cheap_hit_is_loaded_and_computed_in_one_step(
-    engine: tuple[Engine, FakeWorker], load_s_per_token: float, in_its_step: bool
+    engine: tuple[Engine, FakeWorker],
+    load_s_per_token: float,
+    alone: bool,
+    in_its_step: bool,
 ) -> None:
     eng, worker = engine
     prompt = saved_hit(eng, worker, load_s_per_token)
+    if not alone:  # a request decoding beside it
+        eng.add(create_request("other", fresh_tokens(BLOCK_SIZE), max_tokens=64))
+        eng.run_until(lambda r: r.num_scheduled("other") > 0)
     request = add_looked_up(eng, "hit", prompt)
     record = eng.run_until(lambda r: "hit" in r.loads())
     assert (record.loads()["hit"].sync_wait_s is not None) == in_its_step

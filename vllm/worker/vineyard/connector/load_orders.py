@@ -3,19 +3,19 @@
 """The loads the scheduler orders from the workers: asynchronous ones, and
 ones in the step that schedules their request (vLLM's synchronous loads).
 
-An asynchronous load ends in the step that starts it at the
-earliest, so its request is computed a whole step later: in a busy engine,
-a step of the other requests' prefills. A hit whose load is expected to
-take a small share of a step is instead loaded by the workers before that
-step's forward pass, and its request computed in the same step; every
-other request in the step waits for the load meanwhile. So a step's loads
-are made so while they are expected to take at most a step divided by the
-requests in it (one more than in the last step), and at most
-:data:`MAX_SYNC_LOAD_STEP_SHARE` of a step: then the others' wait in all is
-less than the step the request would wait loaded asynchronously. A load that takes much
-longer than expected (see :data:`SYNC_WAIT_STEPS`) stops where it is, and
-vLLM recomputes the rest of its request (its failed blocks are reported in
-the same step)."""
+An asynchronous load ends in the step that starts it at the earliest, so its
+request is computed a whole step later: in a busy engine, a step of the other
+requests' prefills. A hit whose load is expected to take a small share of a
+step is instead loaded by the workers before that step's forward pass, and its
+request computed in the same step; every other request in the step waits for
+the load meanwhile. So a step's loads are made so while they are expected to
+take at most a step divided by the requests in it (one more than in the last
+step), and at most :data:`MAX_SYNC_LOAD_STEP_SHARE` of a step: then the
+others' wait in all is less than the step the request would wait loaded
+asynchronously; a request alone in the engine delays no other, so its load is
+made so at any price. A load that takes much longer than expected (see
+:data:`SYNC_WAIT_STEPS`) stops where it is, and vLLM recomputes the rest of
+its request (its failed blocks are reported in the same step)."""
 
 from __future__ import annotations
 
@@ -58,15 +58,19 @@ class LoadOrders:
         # Per step whose output is outstanding, its synchronous loads.
         self._in_flight: collections.deque[list[RequestState]] = collections.deque()
 
-    def sync_wait_s(self, tokens_to_read: int) -> float | None:
+    def sync_wait_s(self, tokens_to_read: int, alone: bool = False) -> float | None:
         """How long the workers may wait before the forward pass for a load
         that reads ``tokens_to_read`` (what was read ahead costs a copy), if
         it is loaded in the step that schedules it; ``None``: it is loaded
-        asynchronously."""
+        asynchronously. A request ``alone`` in the engine is loaded so at
+        any price: it delays no other, and loaded asynchronously it would
+        wait a step more."""
         load_s = self._costs.load_s(tokens_to_read // self._block_size)
         step_s = self._costs.last_step_s
         share = min(MAX_SYNC_LOAD_STEP_SHARE, 1 / (self._last_requests + 1))
-        if load_s is None or self._planned_s + load_s > share * step_s:
+        if load_s is None:
+            return None
+        if not alone and self._planned_s + load_s > share * step_s:
             return None
         self._planned_s += load_s
         return max(

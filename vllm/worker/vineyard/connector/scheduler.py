@@ -2,16 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler side of ``VineyardConnector`` (EngineCore process).
 
-It asks the cache how many more prompt tokens are cached (by file metadata,
-on background threads: the scheduler never waits on the filesystem),
-decides whether to load them (:mod:`.load_costs`), and tells the workers,
-per step, which cached blocks to load into which blocks and which blocks
-each running request has now (:mod:`.load_orders`: a cheap load before
-its step's forward pass, others while the request waits in vLLM's
-``WAITING_FOR_REMOTE_KVS``). Blocks are named by
-chained digests of their token ids and whatever else determines their KV
-(:mod:`.request_keys`), computed here once and sent to the workers as
-deltas.
+It asks the cache how many more prompt tokens are cached (by file metadata, on
+background threads: the scheduler never waits on the filesystem), decides
+whether to load them (:mod:`.load_costs`), and tells the workers, per step,
+which cached blocks to load into which blocks and which blocks each running
+request has now (:mod:`.load_orders`: a cheap load before its step's forward
+pass, others while the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``).
+Blocks are named by chained digests of their token ids and whatever else
+determines their KV (:mod:`.request_keys`), computed here once and sent to the
+workers as deltas.
 
 The scheduler owns every decision: what each request loads, where its saves
 start (moved back for every rank when a load came up short), and whether
@@ -214,7 +213,8 @@ class VineyardConnectorScheduler:
         if state.timeline is not None and not state.timeline.answered(num_hit):
             state.timeline = None
         if num_hit > 0:  # loaded before its step's forward pass, if cheap
-            state.sync_wait_s = self._loads.sync_wait_s(num_hit - ready)
+            alone = len(self._requests) == 1
+            state.sync_wait_s = self._loads.sync_wait_s(num_hit - ready, alone)
         return num_hit, num_hit > 0 and state.sync_wait_s is None
 
     def _state_of(self, request: Request) -> RequestState:
