@@ -68,9 +68,7 @@ class LoadOrders:
         load_s = self._costs.load_s(tokens_to_read // self._block_size)
         step_s = self._costs.last_step_s
         share = min(MAX_SYNC_LOAD_STEP_SHARE, 1 / (self._last_requests + 1))
-        if load_s is None:
-            return None
-        if not alone and self._planned_s + load_s > share * step_s:
+        if load_s is None or (not alone and self._planned_s + load_s > share * step_s):
             return None
         self._planned_s += load_s
         return max(

@@ -64,6 +64,10 @@ class SegmentRead:
     def buffers(self) -> range:
         return range(self.buffer, self.buffer + self.count)
 
+    def cpu_wait_s(self, now: float) -> float:
+        """Of its wait so far, how long its reader waited for a CPU."""
+        return min(self.reader.cpu_wait_s(), now - self.sent_at)
+
 
 def segments_of(
     first: int, end: int, step: int, lead: int = 0
@@ -125,12 +129,13 @@ class LoadJob:
         :data:`WAIT_SHARE` of computing the blocks left, not counting its
         reader's wait for a CPU (asked only then; the reader moves to every
         core)."""
-        if self.stop_at is not None and now >= self.stop_at:
-            if waiting is None:
-                return True
-            cpu_wait_s = min(waiting.reader.cpu_wait_s(), now - waiting.sent_at)
-            if now - cpu_wait_s >= self.stop_at:
-                return True
+        stop_at = self.stop_at
+        if (
+            stop_at is not None
+            and now >= stop_at
+            and (waiting is None or now - waiting.cpu_wait_s(now) >= stop_at)
+        ):
+            return True
         c = self.compute_s_per_token
         done = self.loaded - self.start
         if c is None:
@@ -147,8 +152,8 @@ class LoadJob:
         waited = now - waiting.sent_at
         if not self._waits_too_long(waiting, waited, c * bs):
             return False
-        cpu_wait_s = min(waiting.reader.cpu_wait_s(), waited)
-        return self._waits_too_long(waiting, waited - cpu_wait_s, c * bs)
+        waited -= waiting.cpu_wait_s(now)
+        return self._waits_too_long(waiting, waited, c * bs)
 
     def _waits_too_long(
         self, waiting: SegmentRead, waited: float, block_s: float
