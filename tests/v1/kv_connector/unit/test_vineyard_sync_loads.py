@@ -75,8 +75,10 @@ def saved_hit(engine: Engine, worker: FakeWorker, load_s_per_token: float) -> li
     return prompt
 
 
-def add_looked_up(engine: Engine, req_id: str, prompt: list[int]) -> Request:
-    request = engine.add(create_request(req_id, prompt))
+def add_looked_up(
+    engine: Engine, req_id: str, prompt: list[int], max_tokens: int = 2
+) -> Request:
+    request = engine.add(create_request(req_id, prompt, max_tokens=max_tokens))
     connector = engine.scheduler.connector
     assert isinstance(connector, VineyardConnector)
     lookups = connector._scheduler._lookup  # type: ignore[union-attr]
@@ -220,3 +222,22 @@ def test_a_steps_loads_may_take_a_step_divided_by_its_requests(
     assert made == loads
     orders.step_scheduled(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]
     assert orders.sync_wait_s(BLOCK_SIZE) is not None  # a new step's budget
+
+
+def test_a_request_finished_in_its_load_step_saves_what_it_computed(
+    engine: tuple[Engine, FakeWorker],
+) -> None:
+    """A request whose hit is loaded before the forward pass that computes
+    the rest of its prompt and whose one output token finishes it: the
+    chunks that step computed are saved (a later request finds them)."""
+    eng, worker = engine
+    prompt = saved_hit(eng, worker, 1e-6)
+    longer = prompt[:HIT] + fresh_tokens(2 * CHUNK + 1)
+    request = add_looked_up(eng, "longer", longer, max_tokens=1)
+    record = eng.run_until(lambda r: "longer" in r.loads())
+    assert record.loads()["longer"].sync_wait_s is not None
+    eng.drain()
+    assert request.is_finished()
+    worker.wait_for_writes()
+    for chunk in range(HIT // CHUNK, (HIT + 2 * CHUNK) // CHUNK):
+        assert os.path.exists(worker.chunk_path(longer, chunk)), chunk
