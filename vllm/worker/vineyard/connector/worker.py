@@ -131,7 +131,10 @@ def kv_layout_name(kv: torch.Tensor) -> str:
 #: layer's attention): a read answered mid-pass has the next one sent then,
 #: not at the pass's end, so a load of several reads finishes in one step.
 BETWEEN_LAYERS_POLL_S = 0.002
-#: How often a load before the forward pass is moved on while waited for.
+#: A load before the forward pass is moved on as each answer arrives, and
+#: at least this often (a stuck reader is noticed by a poll).
+LOAD_NOW_WAIT_S = 0.005
+#: ... or this often while it has no read out (waiting for a buffer).
 LOAD_NOW_POLL_S = 0.0005
 
 
@@ -254,11 +257,13 @@ class VineyardConnectorWorker:
         assert self.cache is not None
         loads = self.cache.loads
         while loads.loading(req_id):
-            if time.monotonic() >= stop_at:
+            now = time.monotonic()
+            if now >= stop_at:
                 loads.poll()  # judged: a load past its stop_at stops
                 return
             loads.poll(judge=False)
-            if loads.loading(req_id):
+            wait_s = min(stop_at - now, LOAD_NOW_WAIT_S)
+            if loads.loading(req_id) and not loads.wait_for_answer(wait_s):
                 time.sleep(LOAD_NOW_POLL_S)
 
     def between_layers(self) -> None:
