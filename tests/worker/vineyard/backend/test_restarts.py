@@ -41,12 +41,7 @@ from tests.worker.vineyard_cache_testing import (
 from vllm.worker.vineyard import cores, launch
 from vllm.worker.vineyard.backend import progress
 from vllm.worker.vineyard.backend.client import CLOSE_WAIT_S, BackendProcess
-from vllm.worker.vineyard.backend.protocol import (
-    BackendError,
-    BackendSpec,
-    LookupReply,
-    LookupRequest,
-)
+from vllm.worker.vineyard.backend.protocol import BackendError, BackendSpec
 
 SEQ_LEN = 4 * CHUNK_SIZE + 3
 CACHED = 4 * CHUNK_SIZE
@@ -514,31 +509,6 @@ def test_a_backend_starts_off_the_callers_core(tmp_path: Path) -> None:
         assert placed == set(cores) - {cores[0]}, placed
         backend.wait_ready()
         assert os.sched_getaffinity(proc.pid) == placed  # and it stays there
-    finally:
-        backend.close()
-
-
-def test_a_wait_for_any_answer_blocks_until_one_arrives(tmp_path: Path) -> None:
-    """``wait_for_any`` (a load before the forward pass waits with it)
-    returns at once when no request is out, waits its timeout while the
-    answer is held up (the backend stopped), and returns with the answer
-    ready once it comes."""
-    namespaces = (str(tmp_path / "namespace"),)
-    spec = _spec(tmp_path, role="lookup", lookup_namespace_dirs=namespaces)
-    backend = BackendProcess("lookup", spec, None, 5.0)
-    try:
-        assert not BackendProcess.wait_for_any([backend], 30.0)
-        proc = psutil.Process(backend.pid)
-        proc.suspend()
-        backend.send(LookupRequest(ids=[1, 2], max_chunks=2))
-        start = time.monotonic()
-        assert BackendProcess.wait_for_any([backend], 0.3)
-        assert time.monotonic() - start >= 0.3
-        assert not backend.ready()
-        proc.resume()
-        assert BackendProcess.wait_for_any([backend], 30.0)
-        assert backend.ready()
-        assert backend.receive(LookupReply).cached == 0
     finally:
         backend.close()
 

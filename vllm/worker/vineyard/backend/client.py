@@ -22,8 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from vllm.worker.vineyard import launch
@@ -370,22 +369,6 @@ class BackendProcess:
                 return conn.poll(0)
             except (EOFError, OSError):
                 return True  # receive() reports it
-
-    @staticmethod
-    def wait_for_any(backends: Sequence[BackendProcess], timeout_s: float) -> bool:
-        """Block until one of ``backends`` has an answer (or its pipe
-        closed) or ``timeout_s`` passes; False at once if none waits for
-        one. Never raises: the caller's :meth:`receive` reports errors."""
-        conns = []
-        for backend in backends:
-            with backend._lock:
-                if backend._in_flight is not None and backend._conn is not None:
-                    conns.append(backend._conn)
-        if not conns:
-            return False
-        with contextlib.suppress(OSError, ValueError):
-            wait(conns, timeout_s)
-        return True
 
     def receive(
         self, reply_type: type[ReplyT], timeout_s: float | None = None

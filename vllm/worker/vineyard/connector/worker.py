@@ -131,10 +131,7 @@ def kv_layout_name(kv: torch.Tensor) -> str:
 #: layer's attention): a read answered mid-pass has the next one sent then,
 #: not at the pass's end, so a load of several reads finishes in one step.
 BETWEEN_LAYERS_POLL_S = 0.002
-#: A load before the forward pass is moved on as each answer arrives, and
-#: at least this often (a stuck reader is noticed by a poll).
-LOAD_NOW_WAIT_S = 0.005
-#: ... or this often while it has no read out (waiting for a buffer).
+#: How often a load before the forward pass is moved on while waited for.
 LOAD_NOW_POLL_S = 0.0005
 
 
@@ -257,13 +254,11 @@ class VineyardConnectorWorker:
         assert self.cache is not None
         loads = self.cache.loads
         while loads.loading(req_id):
-            now = time.monotonic()
-            if now >= stop_at:
+            if time.monotonic() >= stop_at:
                 loads.poll()  # judged: a load past its stop_at stops
                 return
             loads.poll(judge=False)
-            wait_s = min(stop_at - now, LOAD_NOW_WAIT_S)
-            if loads.loading(req_id) and not loads.wait_for_answer(wait_s):
+            if loads.loading(req_id):
                 time.sleep(LOAD_NOW_POLL_S)
 
     def between_layers(self) -> None:

@@ -125,7 +125,9 @@ class LoadPipeline:
         ``end``, but only blocks in ``[start, end)`` are written: blocks
         before ``start`` (vLLM's own prefix-cache hit, maybe shared with
         running requests) and after ``end`` (not the request's to fill) are
-        left alone."""
+        left alone. The reader verifies every entry before it is copied; the
+        only work on the caller's thread is the copy into place.
+        """
         bs = self._layout.block_size
         assert start % bs == 0 and end % bs == 0
         first, read_end = self._read_range(digests, start, end)
@@ -170,8 +172,9 @@ class LoadPipeline:
     def read_ahead(
         self, req_id: str, digests: Sequence[bytes], start: int, end: int
     ) -> None:
-        """Read tokens ``[start, end)`` of a queued request ahead (see the
-        class); returns at once."""
+        """Read the cached KV of tokens ``[start, end)`` of a request still
+        queued into read buffers, so that its load, once it starts, has it
+        (see the class); returns at once."""
         if req_id not in self._jobs:
             self._ahead.add(req_id, digests, *self._read_range(digests, start, end))
 
@@ -216,8 +219,10 @@ class LoadPipeline:
         return self._ahead.take_news()  # see ReadAheadJobs.take_news
 
     def cancel(self, req_id: str) -> None:
-        """Stop an aborted request's load, reported finished at once: only
-        this thread copies into KV blocks (a read out is dropped)."""
+        """Stop a request's load (it was aborted): it is reported finished
+        at once, since nothing is written into its blocks from now on (only
+        this thread copies into KV blocks; a read still in flight lands in
+        a read buffer and is dropped)."""
         self.drop_read_ahead(req_id)
         job = self._jobs.get(req_id)
         if job is not None:
@@ -225,8 +230,9 @@ class LoadPipeline:
             self._finish(job)
 
     def fence(self) -> None:
-        """The cache was reset: every load going finishes with nothing
-        loaded (what it reads predates the reset)."""
+        """The cache was reset: every load still going finishes with
+        nothing loaded (its blocks are recomputed), as what it reads
+        predates the reset."""
         for job in list(self._jobs.values()) + list(self._ahead.jobs.values()):
             job.fenced = True
             job.loaded = job.start
@@ -242,12 +248,6 @@ class LoadPipeline:
     def reading(self) -> bool:
         """Whether reads are out or waiting to go (a poll may move on)."""
         return bool(self._in_flight or self._queue)
-
-    def wait_for_answer(self, timeout_s: float) -> bool:
-        """Block until a read out is answered or ``timeout_s`` passes;
-        False at once if no read is out."""
-        readers = [read.reader for read in self._in_flight]
-        return BackendProcess.wait_for_any(readers, timeout_s)
 
     def take_load_times(self) -> list[tuple[int, float]]:
         """``(blocks, seconds)`` of the loads and read-aheads finished since
