@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from tests.v1.kv_connector.unit.test_vineyard_load_costs import (
@@ -39,6 +40,7 @@ from tests.v1.kv_connector.unit.vineyard_scheduler_testing import (
 from vllm.worker.vineyard.connector import load_orders
 from vllm.worker.vineyard.connector.load_orders import LoadOrders
 from vllm.worker.vineyard.connector.vineyard_connector import VineyardConnector
+from vllm.worker.vineyard.transfer.load_jobs import SegmentRead
 from vllm.worker.vineyard.transfer.saves import SaveRequest
 
 pytestmark = pytest.mark.timeout(180)
@@ -200,6 +202,45 @@ def test_a_load_in_its_step_stops_when_its_wait_is_over(
     n = HIT // BLOCK_SIZE
     _, finished_kv = worker.finished["stopped"]
     assert torch.equal(finished_kv[:, :n], expected_blocks(prompt, n))
+
+
+def test_the_forward_pass_never_runs_beside_its_requests_load(
+    engine: tuple[Engine, FakeWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load before the forward pass whose reader waits for a CPU is not
+    stopped at its ``stop_at`` (computing the rest would wait for one too):
+    it is waited for until done, never left loading while the pass attends
+    to its request's blocks (the pass would read blocks not filled yet)."""
+    eng, worker = engine
+    prompt = saved_hit(eng, worker, 1e-6)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_FACTOR", 0.0)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_SLACK_S", 0.0)
+    monkeypatch.setattr(load_orders, "SYNC_WAIT_STEPS", 0.0)
+    # Every read's reader waits for a CPU: its deadline moves past stop_at.
+    monkeypatch.setattr(SegmentRead, "cpu_wait_s", lambda self, now: 60.0)
+    n = HIT // BLOCK_SIZE
+    at_pass: list[tuple[bool, torch.Tensor]] = []
+    forward = worker._forward
+
+    def recorded_forward(so: SchedulerOutput) -> tuple[list[str], list[list[int]]]:
+        if "hit" in so.num_scheduled_tokens:
+            block_ids = worker.requests["hit"].block_ids[:n]
+            at_pass.append(
+                (worker.cache.loads.loading("hit"), worker.blocks(block_ids))
+            )
+        return forward(so)
+
+    monkeypatch.setattr(worker, "_forward", recorded_forward)
+    add_looked_up(eng, "hit", prompt)
+    record = eng.run_until(lambda r: "hit" in r.loads())
+    assert record.loads()["hit"].sync_wait_s == 0.0
+    assert not record.kv_output.invalid_block_ids
+    loading, kv = at_pass[0]
+    assert not loading
+    assert torch.equal(kv, expected_blocks(prompt, n))
+    eng.drain()
+    assert eng.counter("loaded_tokens") == HIT
+    assert eng.counter("loads_stopped_slow") == 0
 
 
 @pytest.mark.parametrize("requests,loads", [(0, 32), (1, 32), (3, 16), (9, 6)])

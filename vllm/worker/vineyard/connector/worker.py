@@ -248,16 +248,16 @@ class VineyardConnectorWorker:
         self._take_finished_loads()
 
     def _load_now(self, req_id: str, stop_at: float) -> None:
-        """Wait for a load ordered before this forward pass: it finishes, or
-        is stopped where it is at ``stop_at`` (the blocks it left are
-        reported in this step; vLLM recomputes its request from there)."""
+        """Wait for a load ordered before this forward pass until it
+        finishes or is stopped where it is (past ``stop_at``, not counting
+        its reader's wait for a CPU; the blocks it left are reported in this
+        step and vLLM recomputes its request from there). Never returns
+        while it loads: the pass attends to its request's blocks."""
         assert self.cache is not None
         loads = self.cache.loads
         while loads.loading(req_id):
-            if time.monotonic() >= stop_at:
-                loads.poll()  # judged: a load past its stop_at stops
-                return
-            loads.poll(judge=False)
+            # Judged past stop_at: a load past its deadline stops.
+            loads.poll(judge=time.monotonic() >= stop_at)
             if loads.loading(req_id):
                 time.sleep(LOAD_NOW_POLL_S)
 
